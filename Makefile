@@ -1,0 +1,38 @@
+# The two commands the README promises: `make demo` and `make test`. Both build the venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv etcd demo test lint protos bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+venv: $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+
+# etcd from Debian's packages when it is not on PATH (needs root or sudo).
+etcd:
+	@command -v etcd >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+
+demo: venv etcd
+	$(BIN)/python -m tests.demo
+
+test: venv etcd
+	$(BIN)/python -m pytest -q
+
+lint: venv
+	$(BIN)/ruff check proxy registrar sim tests bench
+	$(BIN)/mypy proxy registrar sim
+
+# Regenerate proxy/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).
+protos:
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=proxy/pb --pyi_out=proxy/pb protos/etcd_rpc.proto protos/node_record.proto
+
+bench: venv etcd
+	$(BIN)/python -m bench.proxy_overhead
+
+clean:
+	rm -rf $(VENV) build *.egg-info

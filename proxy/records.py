@@ -1,0 +1,216 @@
+"""The etcd key layout and node records, shared by the proxy and the registrar.
+
+Key: ``{prefix}/{cluster}/{role}/{node_id}``. Value: a ``NodeRecord`` (protos/node_record.proto) as proto3
+JSON, or empty, which means ``url=http://{node_id}``, status serving, models learned from the node.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from google.protobuf import json_format
+
+from proxy.pb import node_record_pb2
+
+MAX_VALUE_BYTES = 64 * 1024
+"""A record larger than this is refused: real ones are a few hundred bytes."""
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+class Status(StrEnum):
+    SERVING = "serving"
+    DRAINING = "draining"
+
+
+class Source(StrEnum):
+    """Where the proxy learned of a node."""
+
+    ETCD = "etcd"
+    STATIC = "static"
+    ADMIN = "admin"
+
+
+class InvalidRecord(ValueError):
+    """A key or value in etcd that does not describe a node; the message says why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """One vLLM server as the proxy routes to it."""
+
+    node_id: str
+    role: Role
+    url: str
+    """Base URL without a trailing slash, e.g. ``http://10.0.0.5:8100``."""
+    models: tuple[str, ...] = ()
+    """Served model names; empty until learned from ``GET /v1/models`` when the record named none."""
+    status: Status = Status.SERVING
+    labels: Mapping[str, str] = field(default_factory=dict)
+    source: Source = Source.ETCD
+    key: str | None = None
+    """The etcd key this node came from, if any."""
+    learn_models: bool = False
+    """True when the record named no models, so the proxy asks the node."""
+
+    @property
+    def host_port(self) -> str:
+        """``host:port`` of the URL, the form the seed's /status and admin API use."""
+        return url_host_port(self.url)
+
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def _valid_host(host: str) -> bool:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return False
+        return True
+    return bool(_HOSTNAME.match(host))
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """Parse ``host:port``, ``[ipv6]:port`` or ``hostname:port``; raise ``InvalidRecord`` otherwise."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not _valid_host(host):
+        raise InvalidRecord(f"{text!r} is not host:port")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise InvalidRecord(f"{text!r} has port {port} outside 1-65535")
+    return host, port
+
+
+def validate_url(url: str) -> str:
+    """Check a node URL (http/https, a host, no credentials, query or fragment); return it without trailing /."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidRecord(f"url {url!r} is malformed: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidRecord(f"url {url!r} must use http or https")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidRecord("url must not carry credentials")
+    if not parts.hostname:
+        raise InvalidRecord(f"url {url!r} has no host")
+    if parts.query or parts.fragment:
+        raise InvalidRecord(f"url {url!r} must not have a query or fragment")
+    if port is not None and port == 0:
+        raise InvalidRecord(f"url {url!r} has port 0")
+    return url.rstrip("/")
+
+
+def url_host_port(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeyLayout:
+    """``{prefix}/{cluster}/{role}/{node_id}``: building and parsing keys."""
+
+    prefix: str = "/vllm"
+    cluster: str = "default"
+
+    @property
+    def cluster_prefix(self) -> str:
+        """The prefix every replica watches, with a trailing slash."""
+        return f"{self.prefix.rstrip('/')}/{self.cluster}/"
+
+    def key(self, role: Role, node_id: str) -> str:
+        return f"{self.cluster_prefix}{role.value}/{node_id}"
+
+    def parse_key(self, key: str) -> tuple[Role, str]:
+        """Split a key under ``cluster_prefix`` into role and node id."""
+        if not key.startswith(self.cluster_prefix):
+            raise InvalidRecord(f"key {key!r} is not under {self.cluster_prefix!r}")
+        rest = key[len(self.cluster_prefix) :]
+        role_text, sep, node_id = rest.partition("/")
+        if not sep or not node_id:
+            raise InvalidRecord(f"key {key!r} is not {self.cluster_prefix}ROLE/NODE_ID")
+        try:
+            role = Role(role_text)
+        except ValueError:
+            raise InvalidRecord(f"key {key!r} has unknown role {role_text!r}") from None
+        if any(ch.isspace() or ch == "/" for ch in node_id) or len(node_id) > 255:
+            raise InvalidRecord(f"key {key!r} has an invalid node id")
+        return role, node_id
+
+    def parse(self, key: bytes, value: bytes) -> Node:
+        """Turn one etcd key/value into a ``Node``; raise ``InvalidRecord`` with the reason otherwise."""
+        try:
+            key_text = key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidRecord("key is not UTF-8") from None
+        role, node_id = self.parse_key(key_text)
+        if not value.strip():
+            host, port = split_host_port(node_id)
+            return Node(
+                node_id=node_id, role=role, url=f"http://{host}:{port}", key=key_text, learn_models=True
+            )
+        record = decode_record(value)
+        if record.role and record.role != role.value:
+            raise InvalidRecord(f"record role {record.role!r} does not match key role {role.value!r}")
+        url = validate_url(record.url) if record.url else None
+        if url is None:
+            host, port = split_host_port(node_id)
+            url = f"http://{host}:{port}"
+        try:
+            status = Status(record.status or Status.SERVING.value)
+        except ValueError:
+            raise InvalidRecord(f"unknown status {record.status!r}") from None
+        models = tuple(dict.fromkeys(m for m in record.models if m))
+        return Node(
+            node_id=node_id,
+            role=role,
+            url=url,
+            models=models,
+            status=status,
+            labels=dict(record.labels),
+            source=Source.ADMIN if record.source == "admin" else Source.ETCD,
+            key=key_text,
+            learn_models=not models,
+        )
+
+
+def decode_record(value: bytes) -> node_record_pb2.NodeRecord:
+    """Parse a non-empty value as a NodeRecord in proto3 JSON (unknown fields ignored)."""
+    if len(value) > MAX_VALUE_BYTES:
+        raise InvalidRecord(f"value is {len(value)} bytes, more than {MAX_VALUE_BYTES}")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRecord("value is not UTF-8") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRecord(f"value is not JSON: {exc.msg}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRecord("value is not a JSON object")
+    try:
+        return json_format.ParseDict(obj, node_record_pb2.NodeRecord(), ignore_unknown_fields=True)
+    except json_format.ParseError as exc:
+        raise InvalidRecord(f"value is not a node record: {exc}") from None
+
+
+def encode_record(record: node_record_pb2.NodeRecord) -> bytes:
+    """Serialise a NodeRecord as compact proto3 JSON (field names as in the .proto)."""
+    obj = json_format.MessageToDict(record, preserving_proto_field_name=True)
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()

@@ -1,0 +1,100 @@
+"""Real processes on loopback for tests: free ports, start with captured logs, wait with a deadline, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httpx
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll ``check`` until it returns true or ``timeout`` seconds pass (then fail saying ``what``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - a check that raises is "not yet"
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Proc:
+    """A child process whose stdout+stderr go to a log file; stop() always reaps it."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_dir / f"{name}.log"
+        full_env = dict(os.environ)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            self.popen.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL, the way a crash looks to everyone else."""
+        if self.alive():
+            self.popen.kill()
+        self.popen.wait(10)
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """argv that runs ``python -m module args`` with this interpreter (console scripts need not be on PATH)."""
+    return [sys.executable, "-m", module, *args]
