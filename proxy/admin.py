@@ -1,0 +1,153 @@
+"""The admin API of the elastic-proxy seed: /instances/add and /instances/remove.
+
+Closed by default: with no admin key configured both answer 403. With etcd, a change is written to etcd
+(a key without a lease, ``source: admin``) so every replica sees it; without etcd it edits this replica's
+pool in memory. Messages are the seed's, so existing scripts keep working.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
+from proxy.etcd import EtcdClient, EtcdError
+from proxy.metrics import ProxyMetrics
+from proxy.pb import node_record_pb2
+from proxy.pool import Pool
+from proxy.prober import fetch_models
+from proxy.records import InvalidRecord, KeyLayout, Node, Role, Source, encode_record, split_host_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdminRequest:
+    role: Role
+    instance: str
+
+
+def check_admin_key(request: Request, admin_key: str | None) -> None:
+    """403 when the admin API is disabled, 401 when the key is missing or wrong (compared in constant time)."""
+    if not admin_key:
+        raise Forbidden("the admin API is disabled: set ADMIN_API_KEY (or --admin-key) to enable it")
+    given = request.headers.get("x-api-key")
+    if given is None:
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else None
+    if given is None:
+        raise Unauthorized("admin key required in X-Api-Key or Authorization: Bearer")
+    if not hmac.compare_digest(given.encode(), admin_key.encode()):
+        raise Unauthorized("admin key is not valid")
+
+
+async def parse_admin_body(request: Request) -> AdminRequest:
+    try:
+        body: Any = json.loads(await request.body())
+    except (ValueError, RecursionError):
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    kind, instance = body.get("type"), body.get("instance")
+    if kind not in {r.value for r in Role}:
+        raise BadRequest("Invalid instance type: 'type' must be prefill, decode or mixed.", param="type")
+    if not isinstance(instance, str):
+        raise BadRequest("'instance' must be a host:port string", param="instance")
+    try:
+        split_host_port(instance)
+    except InvalidRecord as exc:
+        raise BadRequest(f"Invalid instance: {exc}", param="instance") from None
+    return AdminRequest(role=Role(kind), instance=instance)
+
+
+class AdminRoutes:
+    def __init__(
+        self,
+        *,
+        pool: Pool,
+        client: httpx.AsyncClient,
+        admin_key: str | None,
+        etcd: EtcdClient | None,
+        layout: KeyLayout,
+        models: tuple[str, ...],
+        metrics: ProxyMetrics,
+    ) -> None:
+        self._pool = pool
+        self._client = client
+        self._admin_key = admin_key
+        self._etcd = etcd
+        self._layout = layout
+        self._models = models
+        self._metrics = metrics
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/instances/add", self.add, methods=["POST"]),
+            Route("/instances/remove", self.remove, methods=["POST"]),
+        ]
+
+    def _authorize(self, request: Request) -> None:
+        try:
+            check_admin_key(request, self._admin_key)
+        except (Forbidden, Unauthorized) as exc:
+            self._metrics.admin_denied.inc()
+            client = request.client.host if request.client else "?"
+            log.warning("admin request refused path=%s client=%s reason=%s", request.url.path, client, exc.code)
+            raise
+
+    async def add(self, request: Request) -> Response:
+        self._authorize(request)
+        req = await parse_admin_body(request)
+        url = f"http://{req.instance}"
+        try:
+            served = await fetch_models(self._client, url)
+            up = True
+        except (httpx.HTTPError, ValueError):
+            served, up = [], False
+        if self._etcd is not None:
+            record = node_record_pb2.NodeRecord(url=url, role=req.role.value, status="serving", source="admin")
+            try:
+                await self._etcd.put(self._layout.key(req.role, req.instance), encode_record(record))
+            except EtcdError as exc:
+                raise ServiceUnavailable(f"could not write to etcd: {exc}") from None
+        else:
+            node = Node(node_id=req.instance, role=req.role, url=url, models=self._models, source=Source.ADMIN,
+                        learn_models=not self._models)  # fmt: skip
+            if not self._pool.add(node):
+                log.info("%s_instance %s already exists.", req.role.value, req.instance)
+        self._metrics.admin_changes.labels("add").inc()
+        if not up or (self._models and not set(self._models) & set(served)):
+            log.info("Waiting for %s_instance %s to start.", req.role.value, req.instance)
+            return JSONResponse({"message": f"Waiting for {req.role.value}_instance {req.instance} to start."})
+        log.info("Added %s to %s_instances.", req.instance, req.role.value)
+        return JSONResponse({"message": f"Added {req.instance} to {req.role.value}_instances."})
+
+    async def remove(self, request: Request) -> Response:
+        self._authorize(request)
+        req = await parse_admin_body(request)
+        removed = False
+        if self._etcd is not None:
+            keys = {s.node.key for s in self._pool.find(req.role, req.instance) if s.node.key is not None}
+            keys.add(self._layout.key(req.role, req.instance))
+            try:
+                for key in keys:
+                    removed = bool(await self._etcd.delete(key)) or removed
+            except EtcdError as exc:
+                raise ServiceUnavailable(f"could not write to etcd: {exc}") from None
+        for state in self._pool.find(req.role, req.instance, memory_only=True):
+            self._pool.remove(state)
+            removed = True
+        if not removed:
+            return JSONResponse({"message": f"Instance {req.instance} is not in the {req.role.value}_instances."})
+        self._metrics.admin_changes.labels("remove").inc()
+        log.info("Removed %s from %s_instances.", req.instance, req.role.value)
+        return JSONResponse({"message": f"Removed {req.instance} from {req.role.value}_instances."})

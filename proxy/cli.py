@@ -1,0 +1,136 @@
+"""``vllm-proxy``: flags and environment -> ProxySettings; logging; runs uvicorn.
+
+Every flag also reads ``VLLM_PROXY_<FLAG>`` (dashes as underscores; lists comma-separated); the admin key
+also reads ``ADMIN_API_KEY`` as in the seed. A flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from proxy.app import build_app
+from proxy.balancer import POLICIES
+from proxy.etcd import EtcdSettings, parse_endpoints
+from proxy.settings import ProxySettings, TimeoutSettings
+
+ENV_PREFIX = "VLLM_PROXY_"
+LIST_FLAGS = {"prefill", "decode", "mixed", "model"}
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"))
+    return value if value not in (None, "") else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vllm-proxy",
+        description="OpenAI-compatible proxy for a vLLM fleet; nodes come from etcd and/or static flags.",
+    )
+    add = p.add_argument
+    add("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    add("--port", type=int, default=8000, help="listen port (default 8000)")
+    add("--etcd", help="etcd endpoints, URL[,URL...]; without it the static flags are the pools")
+    add("--etcd-prefix", default="/vllm", help="key prefix (default /vllm)")
+    add("--cluster", default="default", help="cluster name under the prefix (default default)")
+    for role in ("prefill", "decode", "mixed"):
+        add(f"--{role}", nargs="+", action="extend", default=[], metavar="HOST:PORT",
+            help=f"static {role} nodes (host:port or URL; repeatable)")  # fmt: skip
+    add("--model", nargs="+", action="extend", default=[], help="model(s) the static nodes serve "
+        "(default: ask each node's /v1/models)")  # fmt: skip
+    add("--admin-key", help="admin API key (also ADMIN_API_KEY); without one the admin API answers 403")
+    add("--policy", default="least-load", choices=sorted(POLICIES), help="balancing policy (default least-load)")
+    add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
+    add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default 5)")
+    add("--prefill-timeout", type=float, default=300.0, help="seconds for the whole prefill leg (default 300)")
+    add("--first-byte-timeout", type=float, default=600.0, help="seconds until a node's response headers "
+        "(default 600; a non-streamed completion sends them when done)")  # fmt: skip
+    add("--stream-idle-timeout", type=float, default=120.0, help="longest gap between chunks (default 120)")
+    add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
+    add("--max-connections", type=int, default=1000, help="upstream connection pool size (default 1000)")
+    add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
+    add("--etcd-cacert", help="CA bundle to verify etcd's TLS certificate")
+    add("--etcd-cert", help="client certificate for etcd")
+    add("--etcd-key", help="client key for etcd")
+    add("--etcd-user", help="etcd user name")
+    add("--etcd-password", help="etcd password (prefer VLLM_PROXY_ETCD_PASSWORD)")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
+    return p
+
+
+def _apply_env(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Environment variables become defaults, so the command line still wins."""
+    defaults: dict[str, object] = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = _env(action.dest)
+        if value is None:
+            continue
+        if action.dest in LIST_FLAGS:
+            defaults[action.dest] = [v.strip() for v in value.split(",") if v.strip()]
+        elif action.type is not None and callable(action.type):
+            try:
+                defaults[action.dest] = action.type(value)
+            except ValueError:
+                parser.error(f"{ENV_PREFIX}{action.dest.upper()}={value!r} is not a valid {action.dest}")
+        else:
+            defaults[action.dest] = value
+    if "admin_key" not in defaults and os.environ.get("ADMIN_API_KEY"):
+        defaults["admin_key"] = os.environ["ADMIN_API_KEY"]
+    parser.set_defaults(**defaults)
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    etcd = None
+    if args.etcd:
+        etcd = EtcdSettings(
+            endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, cacert=args.etcd_cacert,
+            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user, password=args.etcd_password,
+        )  # fmt: skip
+    return ProxySettings(
+        host=args.host, port=args.port, etcd=etcd, etcd_prefix=args.etcd_prefix, cluster=args.cluster,
+        prefill=tuple(args.prefill), decode=tuple(args.decode), mixed=tuple(args.mixed), models=tuple(args.model),
+        admin_key=args.admin_key or None, policy=args.policy, max_attempts=args.max_attempts,
+        timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
+                                 first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
+        models_refresh=args.models_refresh, max_connections=args.max_connections, log_level=args.log_level,
+    )  # fmt: skip
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _apply_env(parser, argv)
+    args = parser.parse_args(argv)
+    if args.max_attempts < 1:
+        parser.error("--max-attempts must be at least 1")
+    if not args.etcd and not (args.prefill or args.decode or args.mixed):
+        parser.error("give --etcd, or static nodes with --prefill/--decode/--mixed")
+    try:
+        settings = settings_from_args(args)
+        app = build_app(settings)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging(settings.log_level)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
+        access_log=False, timeout_graceful_shutdown=30, lifespan="on",
+    )  # fmt: skip
+    uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""vLLM's disaggregated prefill -> decode exchange (NixlConnector and KV-pool connectors alike).
+
+1. Prefill leg: the client's body with max_tokens=1, stream=false, no stream_options/min_tokens, and
+   ``kv_transfer_params`` asking the prefill node to keep the KV cache for a remote decode.
+2. Decode leg: the client's body plus the prefill answer's ``kv_transfer_params``, copied verbatim.
+Both legs carry the same X-Request-Id. Each leg is retried on its own by the forwarder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from proxy.errors import UpstreamFailed, UpstreamTimeout
+from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from proxy.records import Role
+from proxy.settings import TimeoutSettings
+
+log = logging.getLogger(__name__)
+
+PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+_MAX_PREFILL_ANSWER = 16 * 1024 * 1024
+
+
+def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: generate one token, do not stream, keep the KV cache for a remote decode."""
+    leg = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return leg
+
+
+def decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    """The decode leg's body: the client's, plus what the prefill node answered, verbatim."""
+    leg = dict(body)
+    if kv_transfer_params is None:
+        leg.pop("kv_transfer_params", None)
+    else:
+        leg["kv_transfer_params"] = kv_transfer_params
+    return leg
+
+
+class Disaggregator:
+    """Runs the two legs for one request and returns the decode node's open response."""
+
+    def __init__(self, forwarder: Forwarder, timeouts: TimeoutSettings) -> None:
+        self._forwarder = forwarder
+        self._timeouts = timeouts
+
+    async def run(
+        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> Upstream | ErrorAnswer:
+        kv = await self._prefill(path=path, model=model, body=body, headers=headers)
+        if isinstance(kv, (Upstream, ErrorAnswer)):
+            return kv
+        leg = Leg(
+            roles=(Role.DECODE,), model=model, path=path, headers=headers, timeout=self._timeouts.first_byte,
+            body=json.dumps(decode_body(body, kv), separators=(",", ":")).encode(),
+        )  # fmt: skip
+        return await self._forwarder.open(leg)
+
+    async def _prefill(
+        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> Any:
+        """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
+        total = self._timeouts.prefill
+        leg = Leg(
+            roles=(Role.PREFILL,), model=model, path=path, headers=headers, timeout=total,
+            body=json.dumps(prefill_body(body), separators=(",", ":")).encode(),
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(total):
+                answer = await self._forwarder.open(leg)
+                if isinstance(answer, ErrorAnswer) or answer.status != 200:
+                    # A 4xx from the prefill node (prompt too long, bad parameter) is the client's to see.
+                    return answer
+                outcome = "broken"
+                try:
+                    raw = await answer.read(_MAX_PREFILL_ANSWER, total)
+                    outcome = "ok"
+                finally:
+                    await asyncio.shield(answer.aclose(outcome))
+        except TimeoutError:
+            raise UpstreamTimeout(f"prefill leg did not finish within {total:g} s") from None
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            raise UpstreamFailed("prefill node answered something that is not JSON") from None
+        kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        if kv is None:
+            log.warning("prefill answer has no kv_transfer_params node=%s; decode will recompute the prompt",
+                        answer.state.node.node_id)  # fmt: skip
+        return kv

@@ -1,0 +1,105 @@
+"""Read-only routes for operators and orchestrators: /health, /ready, /status, /list_models, /list_workers,
+/metrics. None of them reveals a secret."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from proxy.events import DiscoveryState
+from proxy.pool import NodeState, Pool
+from proxy.records import Role
+
+
+def worker_view(state: NodeState, now: float) -> dict[str, Any]:
+    node = state.node
+    return {
+        "id": node.node_id,
+        "url": node.url,
+        "role": node.role.value,
+        "models": list(state.models),
+        "status": node.status.value,
+        "healthy": state.ejected_until <= now,
+        "ejected": state.ejected_until > now,
+        "models_known": state.models_known,
+        "in_flight": state.in_flight,
+        "served": state.served,
+        "consecutive_failures": state.failures,
+        "source": node.source.value,
+        "labels": dict(node.labels),
+    }
+
+
+class InfoRoutes:
+    def __init__(self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry) -> None:
+        self._pool = pool
+        self._discovery = discovery
+        self._registry = registry
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/ready", self.ready, methods=["GET"]),
+            Route("/status", self.status, methods=["GET", "POST"]),
+            Route("/list_models", self.list_models, methods=["GET", "POST"]),
+            Route("/list_workers", self.list_workers, methods=["GET", "POST"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    def _ready_reason(self) -> str | None:
+        if self._discovery.enabled and not self._discovery.synced:
+            return "etcd discovery has not synced yet"
+        now = time.monotonic()
+        if not any(s.routable(now) for s in self._pool.all()):
+            return "no routable node"
+        return None
+
+    async def ready(self, request: Request) -> Response:
+        reason = self._ready_reason()
+        if reason is None:
+            return JSONResponse({"ready": True})
+        return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "1"})
+
+    def discovery_view(self) -> dict[str, Any]:
+        d = self._discovery
+        return {
+            "source": "etcd" if d.enabled else "static",
+            "synced": d.synced if d.enabled else True,
+            "connected": d.connected,
+            "revision": d.revision,
+            "endpoint": d.endpoint,
+            "last_error": d.last_error,
+            "resyncs": d.resyncs,
+            "reconnects": d.reconnects,
+            "invalid_keys": dict(d.invalid_records),
+            "invalid_total": d.invalid_total,
+        }
+
+    async def status(self, request: Request) -> Response:
+        body: dict[str, Any] = {}
+        for role in Role:
+            states = self._pool.by_role(role)
+            body[f"{role.value}_node_count"] = len(states)
+            body[f"{role.value}_nodes"] = sorted(s.node.host_port for s in states)
+        body["models"] = self._pool.models()
+        body["discovery"] = self.discovery_view()
+        return JSONResponse(body)
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"models": self._pool.models()})
+
+    async def list_workers(self, request: Request) -> Response:
+        now = time.monotonic()
+        workers = sorted((worker_view(s, now) for s in self._pool.all()), key=lambda w: (w["role"], w["id"]))
+        return JSONResponse({"workers": workers})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)

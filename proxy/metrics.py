@@ -1,0 +1,98 @@
+"""Prometheus metrics of one replica, in a registry owned by the app (no global registry).
+
+Names start with ``vllm_proxy_``. Pool and discovery gauges are read at scrape time from the live objects,
+so the request path only touches counters and histograms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.events import DiscoveryState
+from proxy.pool import Pool
+from proxy.records import Role
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class ProxyMetrics:
+    """Counters and histograms updated on the request path."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "vllm_proxy_requests", "Client requests answered, by route, mode and HTTP status.",
+            ["route", "mode", "status"], registry=registry,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "vllm_proxy_request_duration_seconds", "Client request duration, until the last byte.",
+            ["route", "mode"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.first_byte_seconds = Histogram(
+            "vllm_proxy_time_to_first_byte_seconds", "From request received to the first body byte sent.",
+            ["route", "mode"], buckets=_LATENCY_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.upstream = Counter(
+            "vllm_proxy_upstream_requests", "Requests sent to nodes, by role, node and outcome.",
+            ["role", "node", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.retries = Counter(
+            "vllm_proxy_retries", "Legs retried on another node before the first byte.", ["role"], registry=registry
+        )
+        self.stream_chunks = Counter(
+            "vllm_proxy_stream_chunks", "Response body chunks relayed to clients.", registry=registry
+        )
+        self.client_disconnects = Counter(
+            "vllm_proxy_client_disconnects", "Requests whose client went away before the end.", registry=registry
+        )
+        self.admin_changes = Counter(
+            "vllm_proxy_admin_changes", "Admin API calls that changed the pools.", ["action"], registry=registry
+        )
+        self.admin_denied = Counter(
+            "vllm_proxy_admin_denied", "Admin API calls refused (disabled or wrong key).", registry=registry
+        )
+
+
+class PoolCollector(Collector):
+    """Gauges read from the pool and discovery state at scrape time."""
+
+    def __init__(self, pool: Pool, discovery: DiscoveryState) -> None:
+        self._pool = pool
+        self._discovery = discovery
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        nodes = GaugeMetricFamily("vllm_proxy_nodes", "Known nodes by role and status.", labels=["role", "status"])
+        in_flight = GaugeMetricFamily(
+            "vllm_proxy_node_in_flight", "Requests open on each node from this replica.", labels=["role", "node"]
+        )
+        ejected = GaugeMetricFamily("vllm_proxy_node_ejected", "1 while a node is ejected.", labels=["role", "node"])
+        for role in Role:
+            states = self._pool.by_role(role)
+            for status in ("serving", "draining"):
+                nodes.add_metric([role.value, status], sum(1 for s in states if s.node.status.value == status))
+            for state in states:
+                in_flight.add_metric([role.value, state.node.node_id], state.in_flight)
+                ejected.add_metric([role.value, state.node.node_id], 1.0 if state.ejected_until > now else 0.0)
+        yield nodes
+        yield in_flight
+        yield ejected
+        d = self._discovery
+        yield GaugeMetricFamily("vllm_proxy_etcd_enabled", "1 when pools come from etcd.", value=int(d.enabled))
+        yield GaugeMetricFamily("vllm_proxy_etcd_connected", "1 while the etcd watch is up.", value=int(d.connected))
+        yield GaugeMetricFamily("vllm_proxy_etcd_synced", "1 once the first list was applied.", value=int(d.synced))
+        yield GaugeMetricFamily("vllm_proxy_etcd_revision", "etcd revision last applied.", value=d.revision)
+        yield CounterMetricFamily("vllm_proxy_etcd_resyncs", "Re-lists after the first.", value=d.resyncs)
+        yield CounterMetricFamily("vllm_proxy_etcd_reconnects", "Watch streams re-established.", value=d.reconnects)
+        yield GaugeMetricFamily(
+            "vllm_proxy_etcd_ignored_keys", "Keys ignored now because their key or value is invalid.",
+            value=len(d.invalid_records),
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "vllm_proxy_etcd_invalid_records", "Invalid keys or values seen since start.", value=d.invalid_total
+        )

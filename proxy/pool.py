@@ -1,0 +1,170 @@
+"""Nodes by role and model, with the per-replica state routing needs (in-flight count, learned models).
+
+The pool only applies events (from discovery, the static flags and the admin API) and answers queries;
+it does no I/O. Entries are keyed by their etcd key, or ``{source}:{role}/{node_id}`` for in-memory nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+
+from proxy.events import PoolEvent, Remove, Snapshot, Upsert
+from proxy.records import Node, Role, Source, Status
+
+
+@dataclass(eq=False)
+class NodeState:
+    """One node as this replica sees it. Mutable; the balancer reads it, the forwarder updates counters."""
+
+    node: Node
+    learned_models: tuple[str, ...] = ()
+    """Models from the node's GET /v1/models, used when the record names none."""
+    learned: bool = False
+    """True once the node's GET /v1/models answered."""
+    in_flight: int = 0
+    """Requests this replica has open on the node right now."""
+    served: int = 0
+    """Requests completed through this replica (any outcome)."""
+    failures: int = 0
+    """Consecutive failures (connect errors, timeouts, 5xx); reset by a success."""
+    ejected_until: float = 0.0
+    """monotonic() time before which this replica does not route to the node."""
+
+    @property
+    def entry_key(self) -> str:
+        return entry_key(self.node)
+
+    @property
+    def models_known(self) -> bool:
+        return bool(self.node.models) or self.learned
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.node.models or self.learned_models
+
+    def routable(self, now: float) -> bool:
+        return self.node.status is Status.SERVING and self.models_known and self.ejected_until <= now
+
+
+def entry_key(node: Node) -> str:
+    return node.key if node.key is not None else f"{node.source.value}:{node.role.value}/{node.node_id}"
+
+
+class Pool:
+    """All nodes known to this replica. ``version`` changes whenever the set or a node's routability does."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._entries: dict[str, NodeState] = {}
+        self._clock = clock
+        self._index: dict[tuple[Role, str], tuple[NodeState, ...]] | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self.version = 0
+
+    # -- changes -------------------------------------------------------------------------------------------
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` after every change (the model prober waits on it)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._index = None
+        for listener in self._listeners:
+            listener()
+
+    def apply(self, event: PoolEvent) -> None:
+        """Apply one discovery event. Snapshots replace every node that came from etcd."""
+        if isinstance(event, Snapshot):
+            fresh = {entry_key(n): n for n in event.nodes}
+            for key in [k for k, s in self._entries.items() if s.node.key is not None and k not in fresh]:
+                del self._entries[key]
+            for node in event.nodes:
+                self._upsert(node)
+        elif isinstance(event, Upsert):
+            self._upsert(event.node)
+        elif isinstance(event, Remove):
+            self._entries.pop(event.key, None)
+        self._changed()
+
+    def add(self, node: Node) -> bool:
+        """Add an in-memory node (static flag or admin API). False if one with that id and role exists."""
+        key = entry_key(node)
+        if key in self._entries or self.find(node.role, node.host_port, memory_only=True):
+            return False
+        self._upsert(node)
+        self._changed()
+        return True
+
+    def remove(self, state: NodeState) -> None:
+        self._entries.pop(state.entry_key, None)
+        self._changed()
+
+    def _upsert(self, node: Node) -> None:
+        key = entry_key(node)
+        old = self._entries.get(key)
+        if old is not None and old.node.url == node.url:
+            # Same server: keep counters and learned models so a status flip does not reset them.
+            old.node = node
+            return
+        self._entries[key] = NodeState(node=node)
+
+    def set_learned_models(self, state: NodeState, models: Iterable[str]) -> None:
+        """Record what GET /v1/models answered for a node whose record names no models."""
+        learned = tuple(dict.fromkeys(models))
+        if state.learned_models != learned or not state.learned:
+            state.learned_models = learned
+            state.learned = True
+            if self._entries.get(state.entry_key) is state:
+                self._changed()
+
+    def set_node(self, state: NodeState, **changes: object) -> None:
+        """Replace fields of a node in place (e.g. status), keeping its counters."""
+        state.node = replace(state.node, **changes)  # type: ignore[arg-type]
+        self._changed()
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    def all(self) -> list[NodeState]:
+        return list(self._entries.values())
+
+    def by_role(self, role: Role) -> list[NodeState]:
+        return [s for s in self._entries.values() if s.node.role is role]
+
+    def find(self, role: Role, host_port: str, *, memory_only: bool = False) -> list[NodeState]:
+        """Nodes of ``role`` whose URL or id is ``host_port`` (the admin API's way to name a node)."""
+        found = []
+        for state in self._entries.values():
+            if state.node.role is not role:
+                continue
+            if memory_only and state.node.key is not None:
+                continue
+            if host_port in (state.node.host_port, state.node.node_id):
+                found.append(state)
+        return found
+
+    def candidates(self, role: Role, model: str) -> list[NodeState]:
+        """Routable nodes of ``role`` serving ``model`` (serving, models known, not ejected)."""
+        if self._index is None:
+            index: dict[tuple[Role, str], list[NodeState]] = {}
+            for state in self._entries.values():
+                if state.node.status is Status.SERVING and state.models_known:
+                    for name in state.models:
+                        index.setdefault((state.node.role, name), []).append(state)
+            self._index = {k: tuple(v) for k, v in index.items()}
+        now = self._clock()
+        return [s for s in self._index.get((role, model), ()) if s.ejected_until <= now]
+
+    def models(self) -> list[str]:
+        """Models served by at least one routable node, sorted."""
+        now = self._clock()
+        names = {m for s in self._entries.values() if s.routable(now) for m in s.models}
+        return sorted(names)
+
+    def needs_models(self) -> list[NodeState]:
+        """Nodes whose models must be learned from GET /v1/models."""
+        return [s for s in self._entries.values() if not s.node.models]
+
+    def count(self, role: Role, source: Source | None = None) -> int:
+        return sum(1 for s in self.by_role(role) if source is None or s.node.source is source)

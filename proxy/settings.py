@@ -1,0 +1,59 @@
+"""Everything a replica is configured with, built once by cli.py (flags + environment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from proxy.etcd import EtcdSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutSettings:
+    """Upstream timeouts, in seconds. Defaults fit LLM serving: long prompts, long generations."""
+
+    connect: float = 5.0
+    """TCP/TLS connect to a node; a LAN node answers in ms, so 5 s means the node is gone."""
+    prefill: float = 300.0
+    """Whole prefill leg (queueing + prompt processing); a 100k-token prompt on a busy node takes minutes."""
+    first_byte: float = 600.0
+    """Until response headers; a non-streamed completion sends them only when generation is done."""
+    stream_idle: float = 120.0
+    """Longest gap between two chunks of a response body before the stream is cut."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxySettings:
+    """One replica's configuration."""
+
+    host: str = "0.0.0.0"
+    """Listen address."""
+    port: int = 8000
+    """Listen port."""
+    etcd: EtcdSettings | None = None
+    """etcd connection; None means static pools only (the embedded default)."""
+    etcd_prefix: str = "/vllm"
+    """Key prefix: keys are {prefix}/{cluster}/{role}/{node_id}."""
+    cluster: str = "default"
+    """Cluster name inside the prefix, so several fleets can share one etcd."""
+    prefill: tuple[str, ...] = ()
+    """Static prefill nodes, host:port or URL."""
+    decode: tuple[str, ...] = ()
+    """Static decode nodes, host:port or URL."""
+    mixed: tuple[str, ...] = ()
+    """Static mixed (non-disaggregated) nodes, host:port or URL."""
+    models: tuple[str, ...] = ()
+    """Models the static nodes serve; empty means ask each node's GET /v1/models."""
+    admin_key: str | None = None
+    """Key for /instances/*; None disables the admin API (403)."""
+    policy: str = "least-load"
+    """Balancing policy for every role: least-load or round-robin."""
+    max_attempts: int = 3
+    """Nodes tried for one leg before the request fails (only before its first byte reached the client)."""
+    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    """Upstream timeouts."""
+    models_refresh: float = 15.0
+    """Seconds between GET /v1/models polls of nodes whose record names no models."""
+    max_connections: int = 1000
+    """Upper bound of the shared upstream connection pool (per replica)."""
+    log_level: str = "info"
+    """Python logging level name."""

@@ -1,0 +1,65 @@
+"""The etcd key layout and node records: what a registrar, an admin or `etcdctl put` may write."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.records import InvalidRecord, KeyLayout, Role, Source, Status
+
+LAYOUT = KeyLayout()
+
+INVALID = [
+    (b"/vllm/default/gpu/10.0.0.1:8000", b"", "unknown role"),
+    (b"/vllm/default/decode/not-a-host-port", b"", "not host:port"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b"[1, 2]", "not a JSON object"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b"{not json", "not JSON"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "ftp://10.0.0.1:8000"}', "http or https"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "http://u:p@10.0.0.1:8000"}', "credentials"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"role": "prefill"}', "does not match"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"status": "asleep"}', "unknown status"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"models": 5}', "not a node record"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b"\xff\xfe", "not UTF-8"),
+    (b"/vllm/default/decode/\xff:1", b"", "not UTF-8"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b"{}" + b" " * 70_000, "bytes"),
+    (b"/other/default/decode/10.0.0.1:8000", b"", "is not under"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "reason"), INVALID)
+def test_invalid_keys_and_values_are_refused_with_a_reason(key: bytes, value: bytes, reason: str) -> None:
+    with pytest.raises(InvalidRecord, match=reason):
+        LAYOUT.parse(key, value)
+
+
+def test_empty_value_means_http_node_id_serving_models_from_node() -> None:
+    node = LAYOUT.parse(b"/vllm/default/decode/10.0.0.7:8200", b"")
+    assert node.url == "http://10.0.0.7:8200"
+    assert node.role is Role.DECODE
+    assert node.status is Status.SERVING
+    assert node.learn_models and node.models == ()
+
+
+def test_ipv6_node_id_with_empty_value() -> None:
+    node = LAYOUT.parse(b"/vllm/default/mixed/[::1]:8000", b"")
+    assert node.url == "http://[::1]:8000"
+    assert node.host_port == "[::1]:8000"
+
+
+def test_full_record_with_unknown_fields() -> None:
+    value = (b'{"url": "https://node-a.example:8443/", "role": "prefill", "models": ["m1", "m2", "m1"],'
+             b' "status": "draining", "labels": {"zone": "a"}, "future_field": {"x": 1}, "source": "admin"}')
+    node = LAYOUT.parse(b"/vllm/default/prefill/node-a", value)
+    assert node.url == "https://node-a.example:8443"
+    assert node.models == ("m1", "m2")
+    assert node.status is Status.DRAINING
+    assert node.labels == {"zone": "a"}
+    assert node.source is Source.ADMIN
+    assert node.host_port == "node-a.example:8443"
+
+
+def test_cluster_and_prefix_select_the_key_space() -> None:
+    layout = KeyLayout(prefix="/fleet/", cluster="east")
+    assert layout.cluster_prefix == "/fleet/east/"
+    assert layout.key(Role.MIXED, "h:1") == "/fleet/east/mixed/h:1"
+    with pytest.raises(InvalidRecord):
+        layout.parse(b"/vllm/default/mixed/h:1", b"")
