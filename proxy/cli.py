@@ -108,6 +108,8 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    # httpx logs every upstream request at info; our own lines carry what matters.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -82,9 +82,16 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = 499
         watch = _DisconnectWatch(receive)
+
+        async def send_watched(message: Message) -> None:
+            # Once the last body message is out, uvicorn reports "disconnect" to receive(): not a client leaving.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                watch.finished = True
+            await send(message)
+
         try:
             with watch:
-                status = await self._run(send)
+                status = await self._run(send_watched)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watch.gone or task is None:
