@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from tests.support.etcd_server import EtcdServer
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -25,3 +28,27 @@ def etcd(tmp_path: Path, logs_dir: Path) -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+class Reaper:
+    """Stops every process handed to it at the end of the test, whatever happened: ``reg = reap(Registrar(...))``."""
+
+    def __init__(self) -> None:
+        self._procs: list[Any] = []
+
+    def __call__(self, proc: T) -> T:
+        self._procs.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self._procs):
+            proc.stop()
+
+
+@pytest.fixture
+def reap() -> Iterator[Reaper]:
+    reaper = Reaper()
+    try:
+        yield reaper
+    finally:
+        reaper.stop_all()

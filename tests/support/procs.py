@@ -67,7 +67,8 @@ class Proc:
         return self.popen.poll() is None
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
@@ -79,6 +80,7 @@ class Proc:
         if self.alive():
             self.popen.kill()
         self.popen.wait(10)
+        self._log.close()
 
     def wait(self, timeout: float) -> int:
         return self.popen.wait(timeout)
