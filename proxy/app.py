@@ -19,6 +19,7 @@ from proxy.admin import AdminRoutes
 from proxy.api import OpenAIRoutes
 from proxy.balancer import make_policy
 from proxy.discovery import Discovery
+from proxy.ejection import Ejector
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
@@ -86,13 +87,15 @@ def build_app(settings: ProxySettings) -> Starlette:
         follow_redirects=False,
     )  # fmt: skip
     policies = {role: make_policy(settings.policy) for role in Role}
-    forwarder = Forwarder(client, pool, policies, settings, metrics)
+    ejector = Ejector(pool, client, settings.ejection)
+    forwarder = Forwarder(client, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
     prober = ModelProber(pool, client, settings.models_refresh)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(prober.run(), name="model-prober")]
+        tasks = [asyncio.create_task(prober.run(), name="model-prober"),
+                 asyncio.create_task(ejector.run(), name="ejection-prober")]  # fmt: skip
         if etcd is not None:
             discovery = Discovery(etcd, layout, pool.apply, discovery_state)
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))

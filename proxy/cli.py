@@ -16,6 +16,7 @@ import uvicorn
 
 from proxy.app import build_app
 from proxy.balancer import POLICIES
+from proxy.ejection import EjectionSettings
 from proxy.etcd import EtcdSettings, parse_endpoints
 from proxy.settings import ProxySettings, TimeoutSettings
 
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--first-byte-timeout", type=float, default=600.0, help="seconds until a node's response headers "
         "(default 600; a non-streamed completion sends them when done)")  # fmt: skip
     add("--stream-idle-timeout", type=float, default=120.0, help="longest gap between chunks (default 120)")
+    add("--eject-after", type=int, default=3, help="consecutive failures that eject a node from this replica "
+        "(default 3; 0 disables)")  # fmt: skip
+    add("--eject-backoff", type=float, default=1.0, help="seconds before an ejected node's first probe (default 1)")
+    add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default 30)")
+    add("--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests "
+        "(default 60)")  # fmt: skip
     add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
     add("--max-connections", type=int, default=1000, help="upstream connection pool size (default 1000)")
     add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
@@ -100,7 +107,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         admin_key=args.admin_key or None, policy=args.policy, max_attempts=args.max_attempts,
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
-        models_refresh=args.models_refresh, max_connections=args.max_connections, log_level=args.log_level,
+        ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,
+                                  max_backoff=args.eject_max_backoff),
+        shutdown_timeout=args.shutdown_timeout, models_refresh=args.models_refresh,
+        max_connections=args.max_connections, log_level=args.log_level,
     )  # fmt: skip
 
 
@@ -129,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     configure_logging(settings.log_level)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
-        access_log=False, timeout_graceful_shutdown=30, lifespan="on",
+        access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",
     )  # fmt: skip
     uvicorn.Server(config).run()
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import httpx
 
 from proxy.balancer import Policy
+from proxy.ejection import Ejector
 from proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
 from proxy.metrics import ProxyMetrics
 from proxy.pool import NodeState, Pool
@@ -32,10 +32,6 @@ _NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
 _NOT_RETURNED = HOP_BY_HOP | {"server", "date"}
 _BUSY = (429, 503)
 _MAX_ERROR_BODY = 64 * 1024
-EJECT_AFTER = 3
-"""Consecutive failures after which this replica stops routing to a node for a back-off."""
-EJECT_BASE = 1.0
-EJECT_MAX = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +128,9 @@ class Forwarder:
         policies: Mapping[Role, Policy],
         settings: ProxySettings,
         metrics: ProxyMetrics,
+        ejector: Ejector,
     ) -> None:
+        self._ejector = ejector
         self._client = client
         self._pool = pool
         self._policies = policies
@@ -219,17 +217,12 @@ class Forwarder:
         self.record(state, role, outcome, failed=failed)
 
     def record(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
-        """Count an outcome against a node; consecutive failures eject it from this replica for a back-off."""
+        """Count an outcome against a node; the ejector ejects nodes that keep failing."""
         self._metrics.upstream.labels(role.value, state.node.node_id, outcome).inc()
-        if not failed:
-            state.failures = 0
-            return
-        state.failures += 1
-        if state.failures >= EJECT_AFTER:
-            backoff = min(EJECT_MAX, EJECT_BASE * 2 ** (state.failures - EJECT_AFTER))
-            state.ejected_until = time.monotonic() + backoff
-            log.warning("node ejected node=%s role=%s failures=%d for=%gs", state.node.node_id, role.value,
-                        state.failures, backoff)  # fmt: skip
+        if failed:
+            self._ejector.failure(state, outcome)
+        elif outcome == "ok":
+            self._ejector.success(state)
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -16,7 +15,7 @@ from proxy.pool import NodeState, Pool
 from proxy.records import Role
 
 
-def worker_view(state: NodeState, now: float) -> dict[str, Any]:
+def worker_view(state: NodeState) -> dict[str, Any]:
     node = state.node
     return {
         "id": node.node_id,
@@ -24,8 +23,8 @@ def worker_view(state: NodeState, now: float) -> dict[str, Any]:
         "role": node.role.value,
         "models": list(state.models),
         "status": node.status.value,
-        "healthy": state.ejected_until <= now,
-        "ejected": state.ejected_until > now,
+        "healthy": not state.ejected,
+        "ejected": state.ejected,
         "models_known": state.models_known,
         "in_flight": state.in_flight,
         "served": state.served,
@@ -57,8 +56,7 @@ class InfoRoutes:
     def _ready_reason(self) -> str | None:
         if self._discovery.enabled and not self._discovery.synced:
             return "etcd discovery has not synced yet"
-        now = time.monotonic()
-        if not any(s.routable(now) for s in self._pool.all()):
+        if not any(s.routable for s in self._pool.all()):
             return "no routable node"
         return None
 
@@ -97,8 +95,7 @@ class InfoRoutes:
         return JSONResponse({"models": self._pool.models()})
 
     async def list_workers(self, request: Request) -> Response:
-        now = time.monotonic()
-        workers = sorted((worker_view(s, now) for s in self._pool.all()), key=lambda w: (w["role"], w["id"]))
+        workers = sorted((worker_view(s) for s in self._pool.all()), key=lambda w: (w["role"], w["id"]))
         return JSONResponse({"workers": workers})
 
     async def metrics(self, request: Request) -> Response:

@@ -6,7 +6,6 @@ so the request path only touches counters and histograms.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -66,7 +65,6 @@ class PoolCollector(Collector):
         self._discovery = discovery
 
     def collect(self) -> Iterator[Metric]:
-        now = time.monotonic()
         nodes = GaugeMetricFamily("vllm_proxy_nodes", "Known nodes by role and status.", labels=["role", "status"])
         in_flight = GaugeMetricFamily(
             "vllm_proxy_node_in_flight", "Requests open on each node from this replica.", labels=["role", "node"]
@@ -78,7 +76,7 @@ class PoolCollector(Collector):
                 nodes.add_metric([role.value, status], sum(1 for s in states if s.node.status.value == status))
             for state in states:
                 in_flight.add_metric([role.value, state.node.node_id], state.in_flight)
-                ejected.add_metric([role.value, state.node.node_id], 1.0 if state.ejected_until > now else 0.0)
+                ejected.add_metric([role.value, state.node.node_id], 1.0 if state.ejected else 0.0)
         yield nodes
         yield in_flight
         yield ejected

@@ -6,9 +6,8 @@ it does no I/O. Entries are keyed by their etcd key, or ``{source}:{role}/{node_
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from proxy.events import PoolEvent, Remove, Snapshot, Upsert
 from proxy.records import Node, Role, Source, Status
@@ -29,8 +28,12 @@ class NodeState:
     """Requests completed through this replica (any outcome)."""
     failures: int = 0
     """Consecutive failures (connect errors, timeouts, 5xx); reset by a success."""
-    ejected_until: float = 0.0
-    """monotonic() time before which this replica does not route to the node."""
+    ejected: bool = False
+    """True while this replica does not route to the node (after repeated failures, until a probe succeeds)."""
+    ejections: int = 0
+    """Ejections in a row without a healthy spell in between; the probe back-off doubles with each."""
+    probe_at: float = 0.0
+    """monotonic() time of the next health probe while ejected."""
 
     @property
     def entry_key(self) -> str:
@@ -44,8 +47,9 @@ class NodeState:
     def models(self) -> tuple[str, ...]:
         return self.node.models or self.learned_models
 
-    def routable(self, now: float) -> bool:
-        return self.node.status is Status.SERVING and self.models_known and self.ejected_until <= now
+    @property
+    def routable(self) -> bool:
+        return self.node.status is Status.SERVING and self.models_known and not self.ejected
 
 
 def entry_key(node: Node) -> str:
@@ -55,9 +59,8 @@ def entry_key(node: Node) -> str:
 class Pool:
     """All nodes known to this replica. ``version`` changes whenever the set or a node's routability does."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self) -> None:
         self._entries: dict[str, NodeState] = {}
-        self._clock = clock
         self._index: dict[tuple[Role, str], tuple[NodeState, ...]] | None = None
         self._listeners: list[Callable[[], None]] = []
         self.version = 0
@@ -119,10 +122,11 @@ class Pool:
             if self._entries.get(state.entry_key) is state:
                 self._changed()
 
-    def set_node(self, state: NodeState, **changes: object) -> None:
-        """Replace fields of a node in place (e.g. status), keeping its counters."""
-        state.node = replace(state.node, **changes)  # type: ignore[arg-type]
-        self._changed()
+    def set_ejected(self, state: NodeState, ejected: bool) -> None:
+        """Take a node out of this replica's routing, or put it back."""
+        if state.ejected != ejected:
+            state.ejected = ejected
+            self._changed()
 
     # -- queries ------------------------------------------------------------------------------------------
 
@@ -153,13 +157,11 @@ class Pool:
                     for name in state.models:
                         index.setdefault((state.node.role, name), []).append(state)
             self._index = {k: tuple(v) for k, v in index.items()}
-        now = self._clock()
-        return [s for s in self._index.get((role, model), ()) if s.ejected_until <= now]
+        return [s for s in self._index.get((role, model), ()) if not s.ejected]
 
     def models(self) -> list[str]:
         """Models served by at least one routable node, sorted."""
-        now = self._clock()
-        names = {m for s in self._entries.values() if s.routable(now) for m in s.models}
+        names = {m for s in self._entries.values() if s.routable for m in s.models}
         return sorted(names)
 
     def needs_models(self) -> list[NodeState]:

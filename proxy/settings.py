@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from proxy.ejection import EjectionSettings
 from proxy.etcd import EtcdSettings
 
 
@@ -51,6 +52,10 @@ class ProxySettings:
     """Nodes tried for one leg before the request fails (only before its first byte reached the client)."""
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
     """Upstream timeouts."""
+    ejection: EjectionSettings = field(default_factory=EjectionSettings)
+    """When failing nodes leave this replica's routing and how they are probed back."""
+    shutdown_timeout: float = 60.0
+    """Seconds SIGTERM waits for in-flight requests and streams before the replica exits anyway."""
     models_refresh: float = 15.0
     """Seconds between GET /v1/models polls of nodes whose record names no models."""
     max_connections: int = 1000

@@ -1,0 +1,153 @@
+"""List, then watch from the next revision; re-list only when the watch cannot resume.
+
+Three layers, as in kopf's watching: ``run`` is a forever loop with capped, jittered back-off;
+``_list`` and ``_watch`` turn etcd's answers into ``PoolEvent``s; ``EtcdClient.watch_prefix`` reads one
+response at a time under an inactivity timeout. A broken stream resumes from the last revision + 1 without
+re-listing; a compaction, or an etcd whose revision went backwards (lost or restored data), forces a re-list
+whose ``Snapshot`` replaces the pool and so applies the deletes the watch missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+
+from proxy.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue
+from proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
+from proxy.records import InvalidRecord, KeyLayout, Node
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START = 0.1
+"""Seconds before the first retry; doubles up to ``backoff_max``."""
+
+
+class _Relist(Exception):
+    """The watch cannot resume: list again."""
+
+
+class Discovery:
+    """Keeps the pool in step with ``layout.cluster_prefix`` in etcd by calling ``apply`` with pool events."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        layout: KeyLayout,
+        apply: Callable[[PoolEvent], None],
+        state: DiscoveryState,
+        *,
+        backoff_max: float = 5.0,
+    ) -> None:
+        self._client = client
+        self._layout = layout
+        self._apply = apply
+        self._state = state
+        self._backoff_max = backoff_max
+        self._listed = False
+        self._broken = False
+        self._failures = 0
+
+    async def run(self) -> None:
+        """Watch until cancelled; etcd errors only delay the next attempt."""
+        state = self._state
+        state.enabled = True
+        relist = True
+        while True:
+            try:
+                if relist:
+                    await self._list()
+                    relist = False
+                await self._watch()
+            except (_Relist, Compacted) as exc:
+                if isinstance(exc, Compacted):
+                    log.info("etcd compacted past the watch; re-listing revision=%d compact_revision=%d",
+                             state.revision, exc.compact_revision)  # fmt: skip
+                relist, state.connected = True, False
+                state.resyncs += 1
+                continue
+            except EtcdError as exc:
+                state.last_error = str(exc)
+                log.warning("etcd watch failed endpoint=%s error=%s", self._client.current_endpoint, exc)
+            except Exception as exc:  # noqa: BLE001 - a bug in apply() must not end discovery for good
+                state.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("discovery failed; re-listing after back-off")
+                relist = True
+            state.connected = False
+            self._broken = True
+            self._failures += 1
+            delay = min(self._backoff_max, BACKOFF_START * 2 ** (self._failures - 1))
+            await asyncio.sleep(random.uniform(delay / 2, delay))
+
+    async def _list(self) -> None:
+        state = self._state
+        revision, kvs = await self._client.get_prefix(self._layout.cluster_prefix)
+        nodes, invalid = list[Node](), dict[str, str]()
+        for kv in kvs:
+            parsed = self._parse(kv)
+            if isinstance(parsed, Node):
+                nodes.append(parsed)
+            else:
+                invalid[kv.key.decode("utf-8", "replace")] = parsed
+        for key, reason in invalid.items():
+            if state.invalid_records.get(key) != reason:
+                state.invalid_total += 1
+                log.warning("ignoring invalid etcd record key=%r reason=%s", key, reason)
+        state.invalid_records = invalid
+        self._apply(Snapshot(nodes=tuple(nodes), revision=revision))
+        state.revision, state.synced, state.endpoint = revision, True, self._client.current_endpoint
+        log.info(
+            "etcd listed prefix=%s nodes=%d invalid=%d revision=%d endpoint=%s resync=%s",
+            self._layout.cluster_prefix, len(nodes), len(invalid), revision, state.endpoint, self._listed,
+        )  # fmt: skip
+        self._listed = True
+
+    async def _watch(self) -> None:
+        """Apply watch batches from ``state.revision + 1``; return only by raising."""
+        state = self._state
+        start = state.revision + 1
+        async for batch in self._client.watch_prefix(self._layout.cluster_prefix, start):
+            if batch.created:
+                if batch.revision < state.revision:
+                    log.warning(
+                        "etcd revision went backwards; re-listing revision=%d last_seen=%d endpoint=%s",
+                        batch.revision, state.revision, self._client.current_endpoint,
+                    )  # fmt: skip
+                    raise _Relist
+                if self._broken:
+                    state.reconnects += 1
+                self._broken, self._failures = False, 0
+                state.connected, state.last_error = True, ""
+                state.endpoint = self._client.current_endpoint
+                log.info("etcd watching prefix=%s from_revision=%d endpoint=%s",
+                         self._layout.cluster_prefix, start, state.endpoint)  # fmt: skip
+                continue
+            for event in batch.events:
+                self._apply_event(event.type, event.kv)
+            state.revision = max(state.revision, batch.revision)
+
+    def _apply_event(self, kind: EventType, kv: KeyValue) -> None:
+        state = self._state
+        key = kv.key.decode("utf-8", "replace")  # a non-UTF-8 key is never a node; parse() says so
+        if kind is EventType.DELETE:
+            state.invalid_records.pop(key, None)
+            self._apply(Remove(key=key, revision=kv.mod_revision))
+            return
+        parsed = self._parse(kv)
+        if isinstance(parsed, Node):
+            state.invalid_records.pop(key, None)
+            self._apply(Upsert(node=parsed, revision=kv.mod_revision))
+            return
+        state.invalid_total += 1
+        state.invalid_records[key] = parsed
+        log.warning("ignoring invalid etcd record key=%r reason=%s", key, parsed)
+        # A key that held a valid node and now holds garbage must not keep routing to the old node.
+        self._apply(Remove(key=key, revision=kv.mod_revision))
+
+    def _parse(self, kv: KeyValue) -> Node | str:
+        """The node, or why the key/value is not one."""
+        try:
+            return self._layout.parse(kv.key, kv.value)
+        except InvalidRecord as exc:
+            return str(exc)

@@ -1,0 +1,99 @@
+"""Passive ejection: nodes that keep failing leave this replica's routing until a health probe succeeds.
+
+Connect errors, timeouts, 5xx and broken streams count; 4xx, 429 and 503 ("busy") do not. After
+``after`` failures in a row the node is ejected and probed (GET /health) with a back-off that doubles with
+each failed probe and each repeated ejection, up to ``max_backoff``. Ejection is per replica: replicas
+share nothing, and each learns on its own within a few requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from proxy.pool import NodeState, Pool
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT = httpx.Timeout(2.0)
+HEALTHY_SPELL = 30.0
+"""Seconds a reinstated node must stay healthy before its ejection back-off starts again from the base."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EjectionSettings:
+    """When to eject and how often to probe."""
+
+    after: int = 3
+    """Consecutive failures that eject a node; 0 disables ejection."""
+    base_backoff: float = 1.0
+    """Seconds before the first probe of an ejected node."""
+    max_backoff: float = 30.0
+    """Longest wait between probes."""
+
+
+class Ejector:
+    """Counts outcomes per node and runs the probes that bring ejected nodes back."""
+
+    def __init__(self, pool: Pool, client: httpx.AsyncClient, settings: EjectionSettings) -> None:
+        self._pool = pool
+        self._client = client
+        self._settings = settings
+        self._wake = asyncio.Event()
+        self._reinstated_at: dict[int, float] = {}
+
+    def success(self, state: NodeState) -> None:
+        state.failures = 0
+
+    def failure(self, state: NodeState, reason: str) -> None:
+        state.failures += 1
+        if state.ejected or not self._settings.after or state.failures < self._settings.after:
+            return
+        now = time.monotonic()
+        if now - self._reinstated_at.get(id(state), 0.0) > HEALTHY_SPELL:
+            state.ejections = 0
+        state.ejections += 1
+        backoff = self._backoff(state.ejections)
+        state.probe_at = now + backoff
+        self._pool.set_ejected(state, True)
+        self._wake.set()
+        log.warning("node ejected node=%s role=%s failures=%d reason=%s probe_in=%gs", state.node.node_id,
+                    state.node.role.value, state.failures, reason, backoff)  # fmt: skip
+
+    def _backoff(self, times: int) -> float:
+        return float(min(self._settings.max_backoff, self._settings.base_backoff * 2 ** (times - 1)))
+
+    async def run(self) -> None:
+        """Probe ejected nodes when due; forever."""
+        while True:
+            self._wake.clear()
+            now = time.monotonic()
+            ejected = [s for s in self._pool.all() if s.ejected]
+            due = [s for s in ejected if s.probe_at <= now]
+            if due:
+                await asyncio.gather(*(self._probe(s) for s in due))
+                continue
+            wait = min((s.probe_at - now for s in ejected), default=3600.0)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=max(0.01, wait))
+            except TimeoutError:
+                pass
+
+    async def _probe(self, state: NodeState) -> None:
+        try:
+            response = await self._client.get(f"{state.node.url}/health", timeout=PROBE_TIMEOUT)
+            healthy = response.status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy:
+            state.failures = 0
+            self._reinstated_at[id(state)] = time.monotonic()
+            self._pool.set_ejected(state, False)
+            log.info("node reinstated node=%s role=%s", state.node.node_id, state.node.role.value)
+            return
+        state.ejections += 1
+        state.probe_at = time.monotonic() + self._backoff(state.ejections)
