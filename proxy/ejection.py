@@ -90,7 +90,8 @@ class Ejector:
         except httpx.HTTPError:
             healthy = False
         if healthy:
-            state.failures = 0
+            # Probation: /health can be fine while requests hang, so one more failure ejects it again.
+            state.failures = max(0, self._settings.after - 1)
             self._reinstated_at[id(state)] = time.monotonic()
             self._pool.set_ejected(state, False)
             log.info("node reinstated node=%s role=%s", state.node.node_id, state.node.role.value)

@@ -1,0 +1,297 @@
+"""The simulated node's HTTP API: vLLM's OpenAI-compatible routes plus /sim/* controls for tests.
+
+Routes: GET /health, /metrics, /version, /v1/models; POST /v1/completions, /v1/chat/completions, /tokenize,
+/detokenize; GET|POST /sim/config; GET|DELETE /sim/requests. Any other POST is recorded, then 404.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from sim import disagg, protocol
+from sim.engine import Engine, Job, Record
+from sim.errors import ApiError, bad_request
+from sim.metrics import make_registry
+from sim.middleware import ApiKey, ClientGone, NodeHeader, until_disconnect
+from sim.protocol import DONE_EVENT, GenRequest, Kind, Wire, token_text, usage
+from sim.settings import SimSettings
+
+CLIENT_CLOSED = 499
+"""Recorded status of a request whose client left first (nginx's convention; nothing is sent)."""
+
+
+def _engine(request: Request) -> Engine:
+    engine: Engine = request.app.state.engine
+    return engine
+
+
+def _record(request: Request) -> Record:
+    record = Record(
+        id="",
+        request_id=request.headers.get("x-request-id"),
+        path=request.url.path,
+        authorization=request.headers.get("authorization"),
+    )
+    _engine(request).receive(record)
+    return record
+
+
+async def _json_body(request: Request) -> Any:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"JSON decode error: {exc}") from None
+
+
+class SSEResponse(Response):
+    """text/event-stream whose headers go out only once the engine accepts the request (not while hung),
+    and whose generation is cancelled the moment the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        events: Callable[[Callable[[], Awaitable[None]]], AsyncGenerator[str, None]],
+        engine: Engine,
+        record: Record,
+        headers: dict[str, str],
+    ):
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+        self.events = events
+        self.engine = engine
+        self.record = record
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def start() -> None:
+            nonlocal started
+            started = True
+            self.record.status = self.status_code
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+
+        async def pump() -> None:
+            async with aclosing(self.events(start)) as events:
+                async for event in events:
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            await until_disconnect(pump(), receive)
+        except (ClientGone, OSError):
+            pass
+        finally:
+            if not started:
+                self.record.status = CLIENT_CLOSED
+            self.engine.log(self.record)
+
+
+async def _generate(request: Request, kind: Kind) -> Response:
+    engine = _engine(request)
+    settings = engine.settings
+    record = _record(request)
+    try:
+        req = protocol.parse(kind, await _json_body(request))
+        record.model, record.stream, record.prompt_tokens = req.model, req.stream, req.prompt_tokens
+        record.max_tokens, record.kv_transfer_params = req.max_tokens, req.kv_transfer_params
+        protocol.check_model(req.model, settings.models)
+        protocol.check_context(req, settings.max_model_len)
+        wire = Wire(kind, record.request_id or req.body_request_id, settings.served_model)
+        record.id = wire.id
+        if engine.should_fail():
+            raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
+    except ApiError as exc:
+        engine.reject(record, exc.status)
+        raise
+    leg = disagg.classify(settings, req.kv_transfer_params)
+    num_tokens, finish = (1, "length") if leg.prefill else engine.plan(req.max_tokens, req.ignore_eos)
+    job = Job(record=record, num_tokens=num_tokens, finish_reason=finish, kv_loaded=leg.pulled_from is not None)
+    record.prefill = leg.pulled_from
+    headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
+    if req.stream:
+        return SSEResponse(lambda start: _events(engine, job, req, wire, start), engine, record, headers)
+
+    async def collect() -> Response:
+        text = ""
+        async with aclosing(engine.generate(job)) as tokens:
+            async for i in tokens:
+                text += token_text(i)
+        kv = disagg.prefill_result(engine, record, wire) if leg.prefill else None
+        body = wire.full(text, finish, usage(req.prompt_tokens, record.completion_tokens), kv)
+        return JSONResponse(body, headers=headers)
+
+    try:
+        response = await until_disconnect(collect(), request.receive)
+    except ClientGone:
+        response = Response(status_code=CLIENT_CLOSED)
+    except ApiError as exc:
+        response = JSONResponse(exc.body(), status_code=exc.status)
+    record.status = response.status_code
+    engine.log(record)
+    return response
+
+
+async def _events(
+    engine: Engine, job: Job, req: GenRequest, wire: Wire, start: Callable[[], Awaitable[None]]
+) -> AsyncGenerator[str, None]:
+    """The SSE body: [role chunk] token chunks (finish_reason on the last) [usage chunk] [DONE]."""
+    role = wire.role_event()
+    try:
+        async with aclosing(engine.generate(job, on_accept=start)) as tokens:
+            async for i in tokens:
+                if i == 0 and role is not None:
+                    yield role
+                finish = job.finish_reason if i == job.num_tokens - 1 else None
+                use = usage(req.prompt_tokens, i + 1) if req.continuous_usage else None
+                yield wire.token_event(token_text(i), finish, use)
+    except ApiError as exc:
+        yield wire.error_event(exc)
+        yield DONE_EVENT
+        return
+    if req.include_usage:
+        yield wire.usage_event(usage(req.prompt_tokens, job.record.completion_tokens))
+    yield DONE_EVENT
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, Kind.COMPLETION)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, Kind.CHAT)
+
+
+async def health(request: Request) -> Response:
+    engine = _engine(request)
+    settings = engine.settings
+    starting = time.monotonic() - engine.started_at < settings.startup_delay
+    flipped = settings.unhealthy_file is not None and settings.unhealthy_file.exists()
+    return Response(status_code=503 if starting or flipped else 200)
+
+
+async def models(request: Request) -> Response:
+    settings = _engine(request).settings
+    return JSONResponse(protocol.model_list(settings.models, settings.max_model_len))
+
+
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": "0.11.0+sim"})
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize, roughly: one token per whitespace-separated word, ids stable per word."""
+    engine, record = _engine(request), _record(request)
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object.")
+        protocol.check_model(body.get("model"), engine.settings.models)
+        words = str(body.get("prompt", "")).split()
+    except ApiError as exc:
+        engine.reject(record, exc.status)
+        raise
+    record.status, record.state, record.prompt_tokens = 200, "done", len(words)
+    engine.log(record)
+    tokens = [sum(w.encode()) % 32000 for w in words]
+    return JSONResponse(
+        {"count": len(tokens), "max_model_len": engine.settings.max_model_len, "tokens": tokens, "token_strs": None}
+    )
+
+
+async def detokenize(request: Request) -> Response:
+    engine, record = _engine(request), _record(request)
+    try:
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
+            raise bad_request("`tokens` must be a list of token ids.", "tokens")
+        protocol.check_model(body.get("model"), engine.settings.models)
+    except ApiError as exc:
+        engine.reject(record, exc.status)
+        raise
+    record.status, record.state = 200, "done"
+    engine.log(record)
+    return JSONResponse({"prompt": " ".join(f"tok{t}" for t in body["tokens"])})
+
+
+async def unknown_post(request: Request) -> Response:
+    """Recorded so proxy tests can see what was forwarded; 404 in FastAPI's shape, as vLLM answers."""
+    engine, record = _engine(request), _record(request)
+    engine.reject(record, 404)
+    return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+
+async def sim_config(request: Request) -> Response:
+    """GET: identity and knobs. POST: change knobs, e.g. ``{"ttft": 1.0, "hang": true}``."""
+    engine = _engine(request)
+    if request.method == "POST":
+        try:
+            changes = json.loads(await request.body())
+            if not isinstance(changes, dict):
+                raise ValueError("expected a JSON object of knobs")
+            engine.apply_knobs(changes)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+    settings = engine.settings
+    return JSONResponse({
+        "node_id": settings.name, "role": str(settings.role), "engine_id": settings.engine_id,
+        "models": list(settings.models), **vars(engine.knobs),
+    })  # fmt: skip
+
+
+async def sim_requests(request: Request) -> Response:
+    """GET: counters and recent requests. DELETE: forget the recent requests (counters stay)."""
+    engine = _engine(request)
+    if request.method == "DELETE":
+        engine.records.clear()
+    return JSONResponse(engine.snapshot())
+
+
+async def api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(settings: SimSettings) -> Starlette:
+    """A new node: its own engine and metrics registry, nothing shared with other apps in the process."""
+    middleware = [Middleware(NodeHeader, node_id=settings.name)]
+    if settings.api_key:
+        middleware.append(Middleware(ApiKey, key=settings.api_key))
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/version", version),
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/sim/config", sim_config, methods=["GET", "POST"]),
+        Route("/sim/requests", sim_requests, methods=["GET", "DELETE"]),
+        Route("/{path:path}", unknown_post, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error})
+    engine = Engine(settings)
+    app.state.engine = engine
+    app.state.registry = make_registry(engine)
+    return app

@@ -1,0 +1,112 @@
+"""``vllm-sim`` / ``python -m sim``: flags (each also ``VLLM_SIM_<NAME>``) -> SimSettings -> uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import uvicorn
+
+from sim.app import create_app
+from sim.settings import Role, SimSettings
+
+SHUTDOWN_TIMEOUT = 3
+"""Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    defaults = SimSettings()
+    parser = argparse.ArgumentParser(
+        prog="vllm-sim", description="A CPU-only simulated vLLM node (OpenAI-compatible API, vLLM wire format)."
+    )
+
+    def add(flag: str, kind: type, default: object, help: str) -> None:
+        name = flag.removeprefix("--").replace("-", "_")
+        raw = env.get(f"VLLM_SIM_{name.upper()}")
+        parser.add_argument(flag, type=kind, default=kind(raw) if raw is not None else default, help=help)
+
+    add("--host", str, defaults.host, "listen address")
+    add("--port", int, defaults.port, "listen port")
+    parser.add_argument(
+        "--model", action="append", default=None,
+        help="served model name, repeatable; the first names responses and metrics (default sim-model; "
+        "VLLM_SIM_MODEL takes a comma-separated list)",
+    )  # fmt: skip
+    add("--role", str, str(defaults.role), "prefill, decode or mixed (mixed ignores kv_transfer_params)")
+    add("--node-id", str, defaults.node_id, "node id (default host:port)")
+    add("--ttft", float, defaults.ttft, "seconds to the first token")
+    add("--itl", float, defaults.itl, "seconds between tokens")
+    add("--output-len", int, defaults.output_len, "tokens before a simulated EOS when max_tokens allows")
+    add("--max-num-seqs", int, defaults.max_num_seqs, "concurrent sequences; more wait in a FIFO queue")
+    add("--fail-rate", float, defaults.fail_rate, "fraction of requests answered with --fail-status")
+    add("--fail-status", int, defaults.fail_status, "status of injected failures (500, 503, 429...)")
+    add("--fail-after-tokens", int, defaults.fail_after_tokens, "fail every generation after N tokens (0: never)")
+    parser.add_argument(
+        "--hang", action="store_true", default=env.get("VLLM_SIM_HANG", "").lower() in _TRUE,
+        help="accept inference requests but never answer them",
+    )  # fmt: skip
+    add("--startup-delay", float, defaults.startup_delay, "seconds /health answers 503 after start")
+    add("--unhealthy-file", str, "", "while this file exists /health answers 503")
+    add("--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
+    add("--max-model-len", int, defaults.max_model_len, "context length in tokens")
+    add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
+    add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
+    add("--log-level", str, defaults.log_level, "debug, info, warning, error")
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> SimSettings:
+    env = os.environ if env is None else env
+    parser = _parser(env)
+    args = parser.parse_args(argv)
+    models = args.model or [m.strip() for m in env.get("VLLM_SIM_MODEL", "").split(",") if m.strip()]
+    try:
+        role = Role(args.role)
+    except ValueError:
+        parser.error(f"--role must be one of {', '.join(Role)}")
+    if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
+        parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
+    return SimSettings(
+        host=args.host,
+        port=args.port,
+        models=tuple(models) or SimSettings().models,
+        role=role,
+        node_id=args.node_id,
+        ttft=args.ttft,
+        itl=args.itl,
+        output_len=args.output_len,
+        max_num_seqs=args.max_num_seqs,
+        fail_rate=args.fail_rate,
+        fail_status=args.fail_status,
+        fail_after_tokens=args.fail_after_tokens,
+        hang=args.hang,
+        startup_delay=args.startup_delay,
+        unhealthy_file=Path(args.unhealthy_file) if args.unhealthy_file else None,
+        api_key=args.api_key or None,
+        max_model_len=args.max_model_len,
+        side_channel_host=args.side_channel_host,
+        side_channel_port=args.side_channel_port,
+        log_level=args.log_level,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger(__name__).info(
+        "vllm-sim starting node_id=%s role=%s models=%s engine_id=%s",
+        settings.name, settings.role, ",".join(settings.models), settings.engine_id,
+    )  # fmt: skip
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT,
+    )

@@ -1,0 +1,275 @@
+"""The fake engine: a FIFO scheduler with --max-num-seqs slots, timed token generation, request records, counters.
+
+No HTTP here: app.py turns a request into a ``Job`` and iterates ``Engine.generate(job)``. A generation that is
+not iterated to its end (client gone, task cancelled) is recorded as cancelled and frees its slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from sim.errors import ApiError
+from sim.settings import SimSettings
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORDS = 1000
+"""Recent requests kept for GET /sim/requests."""
+
+
+@dataclass(kw_only=True)
+class Knobs:
+    """What a test may change at runtime through POST /sim/config; starts from SimSettings."""
+
+    ttft: float
+    itl: float
+    output_len: int
+    max_num_seqs: int
+    fail_rate: float
+    fail_status: int
+    fail_after_tokens: int
+    hang: bool
+
+    @classmethod
+    def from_settings(cls, settings: SimSettings) -> Knobs:
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    def update(self, changes: dict[str, Any]) -> None:
+        """Apply a partial update; a bad name or value is a ValueError and changes nothing."""
+        validated: dict[str, Any] = {}
+        for name, value in changes.items():
+            current = getattr(self, name, None) if name in {f.name for f in fields(self)} else None
+            if current is None:
+                raise ValueError(f"unknown knob {name!r}")
+            if isinstance(current, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(current, int):
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            else:
+                ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
+            if not ok:
+                raise ValueError(f"bad value for {name}: {value!r}")
+            validated[name] = float(value) if isinstance(current, float) else value
+        if validated.get("max_num_seqs", self.max_num_seqs) < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if validated.get("fail_rate", self.fail_rate) > 1:
+            raise ValueError("fail_rate must be between 0 and 1")
+        if not 100 <= validated.get("fail_status", self.fail_status) <= 599:
+            raise ValueError("fail_status must be an HTTP status")
+        for name, value in validated.items():
+            setattr(self, name, value)
+
+
+class Slots:
+    """--max-num-seqs as a FIFO: ``acquire`` waits in line; a waiter that is cancelled leaves the line."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        if self.running < self.limit and not self._waiters:
+            self.running += 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # granted a slot in the same instant we were cancelled: hand it on
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        self.running -= 1
+        self._grant()
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters and self.running < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.running += 1
+                waiter.set_result(None)
+
+
+@dataclass(kw_only=True)
+class Record:
+    """One request as the node saw it; served as JSON by GET /sim/requests. Never holds the prompt."""
+
+    id: str
+    """The response id (cmpl-/chatcmpl-...), empty for requests refused before parsing."""
+    request_id: str | None
+    """The X-Request-Id header as received."""
+    path: str
+    authorization: str | None
+    """The Authorization header as received (tests check what the proxy forwarded)."""
+    received_at: float = field(default_factory=time.time)
+    model: str | None = None
+    stream: bool = False
+    state: str = "received"
+    """received -> [hung ->] waiting -> running -> done | cancelled | failed; or rejected (an error answer)."""
+    status: int | None = None
+    cancelled: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    max_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """kv_transfer_params exactly as received."""
+    prefill: dict[str, Any] | None = None
+    """On a decode leg: the remote_engine_id, remote_host and remote_port the KV was pulled from."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """A validated generation: how many tokens, how the first one is timed, how it finishes."""
+
+    record: Record
+    num_tokens: int
+    finish_reason: str
+    kv_loaded: bool
+    """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
+
+
+class Engine:
+    """State of one simulated node. Built by the app factory; everything else reads it."""
+
+    def __init__(self, settings: SimSettings, rng: random.Random | None = None):
+        self.settings = settings
+        self.knobs = Knobs.from_settings(settings)
+        self.slots = Slots(settings.max_num_seqs)
+        self.records: deque[Record] = deque(maxlen=MAX_RECORDS)
+        self.counters: Counter[str] = Counter()
+        """received, completed, cancelled, failed, rejected; plus prompt_tokens, generation_tokens."""
+        self.finished: Counter[str] = Counter()
+        """Finished requests by finish reason (stop, length, abort), for vllm:request_success_total."""
+        self.started_at = time.monotonic()
+        self._rng = rng or random.Random()
+        self._unhung = asyncio.Event()
+        self._next_block = 1
+        self.hung = 0
+        self.apply_knobs({})
+
+    def apply_knobs(self, changes: dict[str, Any]) -> None:
+        self.knobs.update(changes)
+        self.slots.set_limit(self.knobs.max_num_seqs)
+        if self.knobs.hang:
+            self._unhung.clear()
+        else:
+            self._unhung.set()
+
+    def receive(self, record: Record) -> None:
+        self.records.append(record)
+        self.counters["received"] += 1
+
+    def should_fail(self) -> bool:
+        return self.knobs.fail_rate > 0 and self._rng.random() < self.knobs.fail_rate
+
+    def reject(self, record: Record, status: int) -> None:
+        record.state, record.status = "rejected", status
+        self.counters["rejected"] += 1
+        self.log(record)
+
+    def allocate_blocks(self, prompt_tokens: int) -> list[int]:
+        """Block ids for a finished prefill, unique on this node like a real KV cache's."""
+        count = -(-prompt_tokens // self.settings.block_size)
+        blocks = list(range(self._next_block, self._next_block + count))
+        self._next_block += count
+        return blocks
+
+    def plan(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
+        """Tokens to generate and the finish reason: EOS after output_len unless max_tokens comes first."""
+        natural = self.knobs.output_len
+        if max_tokens is not None and (ignore_eos or max_tokens <= natural):
+            return max_tokens, "length"
+        return max(1, natural), "stop"
+
+    async def generate(
+        self, job: Job, on_accept: Callable[[], Awaitable[None]] | None = None
+    ) -> AsyncGenerator[int, None]:
+        """Yield token indexes 0..n-1 on the simulated schedule, holding a sequence slot meanwhile.
+
+        ``on_accept`` runs once the request is past a --hang (a streamed response sends its headers there);
+        a hung request counts as running, like one stuck in a wedged engine.
+        """
+        record = job.record
+        outcome = "cancelled"
+        try:
+            if not self._unhung.is_set():
+                record.state = "hung"
+                self.hung += 1
+                try:
+                    await self._unhung.wait()
+                finally:
+                    self.hung -= 1
+            if on_accept is not None:
+                await on_accept()
+            record.state = "waiting"
+            await self.slots.acquire()
+            try:
+                record.state = "running"
+                await asyncio.sleep(self.knobs.itl if job.kv_loaded else self.knobs.ttft)
+                self.counters["prompt_tokens"] += record.prompt_tokens
+                for i in range(job.num_tokens):
+                    if i:
+                        await asyncio.sleep(self.knobs.itl)
+                    limit = self.knobs.fail_after_tokens
+                    if limit and i >= limit:
+                        outcome = "failed"
+                        raise ApiError(500, "vllm-sim: injected engine failure during generation")
+                    record.completion_tokens += 1
+                    self.counters["generation_tokens"] += 1
+                    yield i
+                outcome = "done"
+            finally:
+                self.slots.release()
+        finally:
+            record.state = outcome
+            record.cancelled = outcome == "cancelled"
+            self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
+            self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot, plus hung ones (a wedged engine reports them as running)."""
+        return self.slots.running + self.hung
+
+    def log(self, record: Record) -> None:
+        """One line per request; ids and counts only, never the prompt or a key."""
+        logger.info(
+            "request id=%s request_id=%s path=%s status=%s state=%s prompt_tokens=%d completion_tokens=%d",
+            record.id or "-", record.request_id or "-", record.path, record.status, record.state,
+            record.prompt_tokens, record.completion_tokens,
+        )  # fmt: skip
+
+    def snapshot(self) -> dict[str, Any]:
+        """GET /sim/requests."""
+        return {
+            "node_id": self.settings.name,
+            "role": str(self.settings.role),
+            "engine_id": self.settings.engine_id,
+            "running": self.running,
+            "waiting": self.slots.waiting,
+            "counters": dict(self.counters),
+            "requests": [r.to_json() for r in self.records],
+        }

@@ -1,0 +1,59 @@
+"""GET /metrics: a few of vLLM V1's Prometheus metrics (vllm/v1/metrics/loggers.py), read from the engine.
+
+Same names and labels as vLLM (``model_name`` is the first served name, ``engine`` the engine index "0"), no
+``_created`` series (vLLM disables them). A collector on a per-app registry: nothing global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sim.engine import Engine
+
+LABELS = ["model_name", "engine"]
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        labels = [engine.settings.served_model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value)
+            return family
+
+        slots = engine.slots
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", engine.running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", slots.waiting)
+        yield gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", slots.running / slots.limit
+        )
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", engine.counters["prompt_tokens"])
+        yield counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", engine.counters["generation_tokens"]
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success", "Count of successfully processed requests.", labels=[*LABELS, "finished_reason"]
+        )
+        for reason in ("stop", "length", "abort"):
+            success.add_metric([*labels, reason], engine.finished[reason])
+        yield success
+
+
+def make_registry(engine: Engine) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+    return registry

@@ -1,0 +1,90 @@
+"""How one simulated vLLM node is configured: built once by cli.py from flags and ``VLLM_SIM_*`` variables."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+
+class Role(StrEnum):
+    """What the node is in a disaggregated fleet; prefill and decode nodes run a (simulated) NixlConnector."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+
+def engine_id_for(node_id: str) -> str:
+    """The NIXL engine id a node announces: a UUID, as in vLLM, but stable for a given node id."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"vllm-sim:{node_id}"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSettings:
+    """One node's startup configuration. The knobs that tests change at runtime start from these values."""
+
+    host: str = "127.0.0.1"
+    """Listen address."""
+    port: int = 8100
+    """Listen port (vLLM's default is 8000; 8100 is the usual prefill port in the disagg examples)."""
+    models: tuple[str, ...] = ("sim-model",)
+    """Served model names; like vLLM's --served-model-name, the first one names responses and metrics."""
+    role: Role = Role.MIXED
+    """prefill/decode answer kv_transfer_params like NixlConnector; mixed has no connector and ignores them."""
+    node_id: str = ""
+    """Name in logs, /sim/* and the x-sim-node header; empty means host:port."""
+    ttft: float = 0.02
+    """Seconds from being scheduled to the first token (the simulated prefill)."""
+    itl: float = 0.005
+    """Seconds between two generated tokens."""
+    output_len: int = 16
+    """Tokens generated before a simulated EOS when max_tokens allows it (finish_reason "stop")."""
+    max_num_seqs: int = 64
+    """Sequences generating at once, as vLLM's --max-num-seqs; more wait in a FIFO queue."""
+    fail_rate: float = 0.0
+    """Fraction of inference requests answered at once with fail_status and vLLM's error JSON."""
+    fail_status: int = 500
+    """HTTP status of injected failures (500, or 503/429 to look busy)."""
+    fail_after_tokens: int = 0
+    """When > 0, every generation fails after this many tokens (streams end with an error event)."""
+    hang: bool = False
+    """Accept and schedule inference requests but never answer them (until hang is switched off)."""
+    startup_delay: float = 0.0
+    """Seconds during which /health answers 503, like a vLLM server still loading its model."""
+    unhealthy_file: Path | None = None
+    """While this file exists /health answers 503: lets a test flip health from outside."""
+    api_key: str | None = None
+    """Like vLLM's --api-key: every /v1/* route then needs ``Authorization: Bearer KEY``."""
+    max_model_len: int = 4096
+    """Context length: prompt plus max_tokens beyond it is a 400, as in vLLM."""
+    side_channel_host: str = ""
+    """Host announced as remote_host in kv_transfer_params; empty means host."""
+    side_channel_port: int = 5600
+    """Port announced as remote_port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default); nothing listens on it."""
+    block_size: int = 16
+    """Tokens per simulated KV block, to size remote_block_ids."""
+    log_level: str = "info"
+    """Python logging level name."""
+
+    @property
+    def name(self) -> str:
+        """The node id, defaulting to host:port (bracketed for IPv6)."""
+        if self.node_id:
+            return self.node_id
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def engine_id(self) -> str:
+        return engine_id_for(self.name)
+
+    @property
+    def served_model(self) -> str:
+        """The name vLLM puts in responses and metric labels whatever alias was requested."""
+        return self.models[0]
+
+    @property
+    def kv_host(self) -> str:
+        return self.side_channel_host or self.host

@@ -1,0 +1,155 @@
+"""A real ``vllm-sim`` process (``python -m sim``) on a free loopback port, for tests of the proxy and registrar.
+
+    node = SimNode(logs_dir, role="prefill", ttft=0.05, max_num_seqs=2)
+    node.start()                       # waits until GET /health answers 200
+    httpx.post(f"{node.url}/v1/completions", json={"model": "sim-model", "prompt": "hi"})
+    node.requests()                    # what the node saw: request ids, kv_transfer_params, cancelled, ...
+    node.configure(hang=True)          # change ttft/itl/fail_rate/fail_status/hang/... at runtime
+    node.kill()                        # SIGKILL, like a crash; node.stop() is a clean SIGTERM
+
+Keyword knobs are the CLI flags with underscores (``max_num_seqs=1``, ``api_key="k"``, ``hang=True``); a
+``list``/``tuple`` value repeats the flag (``model=["a", "b"]``). See ``python -m sim --help``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.procs import HOST, Proc, free_port, http_ok, python_module, wait_until
+
+
+class SimNode:
+    """One simulated vLLM node. ``url`` is ``http://127.0.0.1:PORT``; ``host_port`` is also its node id."""
+
+    def __init__(self, log_dir: Path, name: str | None = None, *, port: int | None = None, **knobs: Any):
+        self.log_dir = log_dir
+        self.port = port or free_port()
+        self.name = name or f"sim-{self.port}"
+        self.knobs = knobs
+        self.proc: Proc | None = None
+
+    @property
+    def host_port(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host_port}"
+
+    def argv(self) -> list[str]:
+        args = ["--host", HOST, "--port", str(self.port)]
+        for key, value in self.knobs.items():
+            flag = "--" + key.replace("_", "-")
+            if value is None or value is False:
+                continue
+            if value is True:
+                args.append(flag)
+            elif isinstance(value, list | tuple):
+                for item in value:
+                    args += [flag, str(item)]
+            else:
+                args += [flag, str(value)]
+        return python_module("sim", *args)
+
+    def start(self, timeout: float = 15.0, wait_healthy: bool = True) -> SimNode:
+        """Start the process; wait until /health is 200 (or, with ``wait_healthy=False``, until it answers)."""
+        proc = self.proc = Proc(self.name, self.argv(), self.log_dir)
+        path = "/health" if wait_healthy else "/sim/config"
+
+        def up_or_dead() -> bool:
+            return not proc.alive() or http_ok(f"{self.url}{path}")
+
+        try:
+            wait_until(up_or_dead, timeout, f"{self.name} on {self.url}{path}")
+        except TimeoutError:
+            log = proc.log()
+            self.stop()
+            raise TimeoutError(f"{self.name} did not come up in {timeout}s; its log:\n{log}") from None
+        if not proc.alive():
+            log = proc.log()
+            self.stop()
+            raise RuntimeError(f"{self.name} exited with {proc.popen.returncode}; its log:\n{log}")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the node vanishes mid-request, as in a crash."""
+        if self.proc is not None:
+            self.proc.kill()
+
+    def stop(self) -> None:
+        """SIGTERM and reap (uvicorn gives open requests a few seconds)."""
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+    def restart(self, **changes: Any) -> SimNode:
+        """Stop, apply knob ``changes``, start again on the same port."""
+        self.stop()
+        self.knobs.update(changes)
+        return self.start()
+
+    def log(self) -> str:
+        return self.proc.log() if self.proc is not None else ""
+
+    def __enter__(self) -> SimNode:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- the /sim/* control endpoints ----
+
+    def _get(self, path: str) -> Any:
+        response = httpx.get(f"{self.url}{path}", timeout=5.0)
+        response.raise_for_status()
+        return response.json()
+
+    def info(self) -> dict[str, Any]:
+        """GET /sim/config: node_id, role, engine_id, models and the current knobs."""
+        result: dict[str, Any] = self._get("/sim/config")
+        return result
+
+    @property
+    def engine_id(self) -> str:
+        """The NIXL engine id this node puts in remote_engine_id of its prefill responses."""
+        return str(self.info()["engine_id"])
+
+    def configure(self, **changes: Any) -> dict[str, Any]:
+        """POST /sim/config: ttft, itl, output_len, max_num_seqs, fail_rate, fail_status, fail_after_tokens, hang."""
+        response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0)
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+    def snapshot(self) -> dict[str, Any]:
+        """GET /sim/requests: node_id, role, engine_id, running, waiting, counters, requests."""
+        result: dict[str, Any] = self._get("/sim/requests")
+        return result
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Recent requests, oldest first: id, request_id, path, model, stream, state, status, cancelled,
+        prompt_tokens, completion_tokens, max_tokens, kv_transfer_params, prefill, authorization."""
+        return list(self.snapshot()["requests"])
+
+    def clear_requests(self) -> None:
+        httpx.delete(f"{self.url}/sim/requests", timeout=5.0).raise_for_status()
+
+    def wait_for_request(self, timeout: float = 5.0, **match: Any) -> dict[str, Any]:
+        """Poll until a recorded request has all the given field values (e.g. ``request_id="r1",
+        cancelled=True``) and return it."""
+        found: list[dict[str, Any]] = []
+
+        def check() -> bool:
+            found[:] = [r for r in self.requests() if all(r.get(k) == v for k, v in match.items())]
+            return bool(found)
+
+        wait_until(check, timeout, f"a request matching {match} on {self.name}")
+        return found[-1]
+
+    def metrics(self) -> str:
+        response = httpx.get(f"{self.url}/metrics", timeout=5.0)
+        response.raise_for_status()
+        return response.text
