@@ -7,11 +7,12 @@ pool in memory. Messages are the seed's, so existing scripts keep working.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
+import socket
 from dataclasses import dataclass
-from typing import Any
+from ipaddress import IPv4Network, IPv6Network, ip_address
 
 import httpx
 from starlette.requests import Request
@@ -20,7 +21,9 @@ from starlette.routing import Route
 
 from proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
 from proxy.etcd import EtcdClient, EtcdError
+from proxy.guard import bearer_token
 from proxy.metrics import ProxyMetrics
+from proxy.parsing import BodyLimits, parse_object, read_body
 from proxy.pb import node_record_pb2
 from proxy.pool import Pool
 from proxy.prober import fetch_models
@@ -39,24 +42,18 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
     """403 when the admin API is disabled, 401 when the key is missing or wrong (compared in constant time)."""
     if not admin_key:
         raise Forbidden("the admin API is disabled: set ADMIN_API_KEY (or --admin-key) to enable it")
-    given = request.headers.get("x-api-key")
-    if given is None:
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else None
+    given = request.headers.get("x-api-key") or bearer_token(request)
     if given is None:
         raise Unauthorized("admin key required in X-Api-Key or Authorization: Bearer")
     if not hmac.compare_digest(given.encode(), admin_key.encode()):
         raise Unauthorized("admin key is not valid")
 
 
+ADMIN_BODY = BodyLimits(max_bytes=64 * 1024, timeout=10.0)
+
+
 async def parse_admin_body(request: Request) -> AdminRequest:
-    try:
-        body: Any = json.loads(await request.body())
-    except (ValueError, RecursionError):
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = parse_object(await read_body(request, ADMIN_BODY))
     kind, instance = body.get("type"), body.get("instance")
     if kind not in {r.value for r in Role}:
         raise BadRequest("Invalid instance type: 'type' must be prefill, decode or mixed.", param="type")
@@ -67,6 +64,21 @@ async def parse_admin_body(request: Request) -> AdminRequest:
     except InvalidRecord as exc:
         raise BadRequest(f"Invalid instance: {exc}", param="instance") from None
     return AdminRequest(role=Role(kind), instance=instance)
+
+
+async def check_allowed(instance: str, allowed: tuple[IPv4Network | IPv6Network, ...]) -> None:
+    """403 unless every address ``instance`` resolves to lies in one of the ``allowed`` networks."""
+    if not allowed:
+        return
+    host, port = split_host_port(instance)
+    host = host.strip("[]")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        raise BadRequest(f"Invalid instance: cannot resolve {host!r}", param="instance") from None
+    addresses = {ip_address(info[4][0]) for info in infos}
+    if not addresses or not all(any(a in net for net in allowed) for a in addresses):
+        raise Forbidden(f"instance {instance} is outside the networks allowed by --admin-allow-cidr")
 
 
 class AdminRoutes:
@@ -80,7 +92,11 @@ class AdminRoutes:
         layout: KeyLayout,
         models: tuple[str, ...],
         metrics: ProxyMetrics,
+        allowed: tuple[IPv4Network | IPv6Network, ...] = (),
+        backend_auth: dict[str, str] | None = None,
     ) -> None:
+        self._allowed = allowed
+        self._backend_auth = backend_auth
         self._pool = pool
         self._client = client
         self._admin_key = admin_key
@@ -107,9 +123,10 @@ class AdminRoutes:
     async def add(self, request: Request) -> Response:
         self._authorize(request)
         req = await parse_admin_body(request)
+        await check_allowed(req.instance, self._allowed)
         url = f"http://{req.instance}"
         try:
-            served = await fetch_models(self._client, url)
+            served = await fetch_models(self._client, url, self._backend_auth)
             up = True
         except (httpx.HTTPError, ValueError):
             served, up = [], False

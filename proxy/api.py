@@ -8,74 +8,38 @@ byte for byte, so every vLLM feature keeps working.
 
 from __future__ import annotations
 
-import json
-import re
 import time
-import uuid
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.disagg import Disaggregator
-from proxy.errors import BadRequest, ModelNotFound, NoNodeAvailable, PayloadTooLarge
+from proxy.errors import ModelNotFound, NoNodeAvailable
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, upstream_headers
+from proxy.guard import ClientKeys, ConcurrencyLimit
 from proxy.metrics import ProxyMetrics
+from proxy.parsing import BodyLimits, check_fields, parse_object, read_body, request_id_of
 from proxy.pool import Pool
 from proxy.records import Role
 from proxy.relay import Exchange, RelayResponse
 from proxy.settings import ProxySettings
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-MAX_BODY_BYTES = 32 * 1024 * 1024
-"""Largest request body accepted (a 128k-token prompt is ~1 MB of JSON; images inline are bigger)."""
-
-
-def request_id_of(request: Request) -> str:
-    """The client's X-Request-Id when it is sane, else a new one."""
-    given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-
-
-async def read_json_object(request: Request) -> tuple[bytes, dict[str, Any]]:
-    """The raw body and its JSON object; 413 past MAX_BODY_BYTES, 400 when it is not a JSON object."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-        raise PayloadTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"request body is larger than {MAX_BODY_BYTES} bytes")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return bytes(raw), body
-
-
-def model_of(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    return model
-
 
 class OpenAIRoutes:
     """Endpoints of the OpenAI API; each returns a RelayResponse that does the I/O."""
 
-    def __init__(self, settings: ProxySettings, pool: Pool, forwarder: Forwarder, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self, settings: ProxySettings, pool: Pool, forwarder: Forwarder, metrics: ProxyMetrics, limit: ConcurrencyLimit
+    ) -> None:
         self._settings = settings
+        self._keys = ClientKeys(settings.api_keys)
+        self._limit = limit
         self._pool = pool
         self._forwarder = forwarder
         self._disagg = Disaggregator(forwarder, settings.timeouts)
         self._metrics = metrics
+        self._limits = BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
 
     def routes(self) -> list[Route]:
         return [
@@ -99,11 +63,13 @@ class OpenAIRoutes:
         return any(model in s.models for s in self._pool.all())
 
     async def generate(self, request: Request) -> Response:
-        raw, body = await read_json_object(request)
-        model = model_of(body)
-        request_id = request_id_of(request)
-        headers = upstream_headers(request.headers, request_id)
+        self._keys.check(request)
+        raw = await read_body(request, self._limits)
+        body = parse_object(raw)
         path = request.url.path
+        model = check_fields(body, path)
+        request_id = request_id_of(request)
+        headers = upstream_headers(request.headers, request_id, self._settings.backend_api_key)
         pool = self._pool
         if pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
             mode = "disagg"
@@ -125,14 +91,15 @@ class OpenAIRoutes:
         return self._relay(exchange, path, mode, request_id)
 
     async def passthrough(self, request: Request) -> Response:
-        raw, body = await read_json_object(request)
-        model = model_of(body)
+        self._keys.check(request)
+        raw = await read_body(request, self._limits)
+        model = check_fields(parse_object(raw), request.url.path)
         request_id = request_id_of(request)
         roles = (Role.MIXED, Role.DECODE)
         if not any(self._pool.candidates(r, model) for r in roles):
             raise self._no_node(model) if self._known(model) else self._unknown_model(model)
         leg = Leg(roles=roles, model=model, path=request.url.path, body=raw,
-                  headers=upstream_headers(request.headers, request_id),
+                  headers=upstream_headers(request.headers, request_id, self._settings.backend_api_key),
                   timeout=self._settings.timeouts.first_byte)  # fmt: skip
 
         async def exchange() -> Upstream | ErrorAnswer:
@@ -142,12 +109,14 @@ class OpenAIRoutes:
         return self._relay(exchange, route, "mixed", request_id)
 
     def _relay(self, exchange: Exchange, route: str, mode: str, request_id: str) -> RelayResponse:
+        self._limit.acquire()
         return RelayResponse(
             exchange, route=route, mode=mode, request_id=request_id,
-            idle_timeout=self._settings.timeouts.stream_idle, metrics=self._metrics,
+            idle_timeout=self._settings.timeouts.stream_idle, metrics=self._metrics, on_done=self._limit.release,
         )  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:
+        self._keys.check(request)
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "vllm"} for m in self._pool.models()]
         return JSONResponse({"object": "list", "data": data})

@@ -24,6 +24,7 @@ from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
+from proxy.guard import ConcurrencyLimit
 from proxy.info import InfoRoutes
 from proxy.metrics import PoolCollector, ProxyMetrics
 from proxy.pool import Pool
@@ -90,7 +91,8 @@ def build_app(settings: ProxySettings) -> Starlette:
     ejector = Ejector(pool, client, settings.ejection)
     forwarder = Forwarder(client, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
-    prober = ModelProber(pool, client, settings.models_refresh)
+    backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
+    prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -112,8 +114,9 @@ def build_app(settings: ProxySettings) -> Starlette:
     routes = [
         *InfoRoutes(pool=pool, discovery=discovery_state, registry=registry).routes(),
         *AdminRoutes(pool=pool, client=client, admin_key=settings.admin_key, etcd=etcd, layout=layout,
-                     models=settings.models, metrics=metrics).routes(),  # fmt: skip
-        *OpenAIRoutes(settings, pool, forwarder, metrics).routes(),
+                     models=settings.models, metrics=metrics, allowed=settings.admin_allow,
+                     backend_auth=backend_auth).routes(),  # fmt: skip
+        *OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent)).routes(),
     ]
     return Starlette(
         routes=routes,

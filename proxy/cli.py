@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from ipaddress import ip_network
 
 import uvicorn
 
@@ -21,7 +22,7 @@ from proxy.etcd import EtcdSettings, parse_endpoints
 from proxy.settings import ProxySettings, TimeoutSettings
 
 ENV_PREFIX = "VLLM_PROXY_"
-LIST_FLAGS = {"prefill", "decode", "mixed", "model"}
+LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr"}
 
 
 def _env(name: str) -> str | None:
@@ -46,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", nargs="+", action="extend", default=[], help="model(s) the static nodes serve "
         "(default: ask each node's /v1/models)")  # fmt: skip
     add("--admin-key", help="admin API key (also ADMIN_API_KEY); without one the admin API answers 403")
+    add("--admin-allow-cidr", nargs="+", action="extend", default=[], metavar="CIDR",
+        help="networks /instances/add may point at (repeatable; default any)")  # fmt: skip
+    add("--api-key", nargs="+", action="extend", default=[], help="client API key required on /v1/* (repeatable; "
+        "VLLM_PROXY_API_KEY takes a comma-separated list); default: open")  # fmt: skip
+    add("--api-key-file", help="file with one client API key per line (# comments allowed)")
+    add("--backend-api-key", help="key sent to nodes started with vLLM's --api-key (default: pass the client's)")
+    add("--max-concurrent-requests", type=int, default=0, help="in-flight requests before 503 (default 0: no limit)")
+    add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
+    add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
     add("--policy", default="least-load", choices=sorted(POLICIES), help="balancing policy (default least-load)")
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
     add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default 5)")
@@ -94,6 +104,17 @@ def _apply_env(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
     parser.set_defaults(**defaults)
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(args.api_key)
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as handle:
+                keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
+    return tuple(keys)
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     etcd = None
     if args.etcd:
@@ -104,7 +125,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     return ProxySettings(
         host=args.host, port=args.port, etcd=etcd, etcd_prefix=args.etcd_prefix, cluster=args.cluster,
         prefill=tuple(args.prefill), decode=tuple(args.decode), mixed=tuple(args.mixed), models=tuple(args.model),
-        admin_key=args.admin_key or None, policy=args.policy, max_attempts=args.max_attempts,
+        admin_key=args.admin_key or None, admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
+        api_keys=api_keys(args), backend_api_key=args.backend_api_key or None,
+        max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+        policy=args.policy, max_attempts=args.max_attempts,
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,

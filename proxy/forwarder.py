@@ -57,11 +57,16 @@ class Leg:
     """Seconds until response headers (the prefill leg uses its total timeout here)."""
 
 
-def upstream_headers(client_headers: Mapping[str, str], request_id: str) -> dict[str, str]:
-    """The client's headers minus hop-by-hop ones, with the request id both legs share."""
-    headers = {k: v for k, v in client_headers.items() if k.lower() not in _NOT_FORWARDED}
-    headers = {k: v for k, v in headers.items() if k.lower() != "x-request-id"}
+def upstream_headers(
+    client_headers: Mapping[str, str], request_id: str, backend_key: str | None = None
+) -> dict[str, str]:
+    """The client's headers minus hop-by-hop ones, with the request id both legs share. With a backend key,
+    the node sees that key instead of the client's Authorization."""
+    dropped = _NOT_FORWARDED | {"x-request-id"} | ({"authorization"} if backend_key else set())
+    headers = {k: v for k, v in client_headers.items() if k.lower() not in dropped}
     headers["x-request-id"] = request_id
+    if backend_key:
+        headers["authorization"] = f"Bearer {backend_key}"
     return headers
 
 

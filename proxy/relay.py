@@ -70,8 +70,10 @@ class RelayResponse(Response):
         request_id: str,
         idle_timeout: float,
         metrics: ProxyMetrics,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self._exchange = exchange
+        self._on_done = on_done
         self._route = route
         self._mode = mode
         self._request_id = request_id
@@ -100,6 +102,8 @@ class RelayResponse(Response):
             self._metrics.client_disconnects.inc()
             log.info("client disconnected request_id=%s route=%s", self._request_id, self._route)
         finally:
+            if self._on_done is not None:
+                self._on_done()
             self._metrics.requests.labels(self._route, self._mode, str(status)).inc()
             self._metrics.request_seconds.labels(self._route, self._mode).observe(time.monotonic() - self._started)
 

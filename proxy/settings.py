@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from ipaddress import IPv4Network, IPv6Network
 
 from proxy.ejection import EjectionSettings
 from proxy.etcd import EtcdSettings
@@ -46,6 +47,14 @@ class ProxySettings:
     """Models the static nodes serve; empty means ask each node's GET /v1/models."""
     admin_key: str | None = None
     """Key for /instances/*; None disables the admin API (403)."""
+    admin_allow: tuple[IPv4Network | IPv6Network, ...] = ()
+    """Networks allowed as /instances/add targets; empty allows any address."""
+    api_keys: tuple[str, ...] = ()
+    """Client keys for /v1/*, /tokenize, /detokenize; empty leaves them open."""
+    backend_api_key: str | None = None
+    """Key sent to nodes started with vLLM's --api-key; None passes the client's Authorization through."""
+    max_concurrent: int = 0
+    """Proxied requests in flight on this replica before new ones get 503 + Retry-After; 0 = no limit."""
     policy: str = "least-load"
     """Balancing policy for every role: least-load or round-robin."""
     max_attempts: int = 3
@@ -56,6 +65,10 @@ class ProxySettings:
     """When failing nodes leave this replica's routing and how they are probed back."""
     shutdown_timeout: float = 60.0
     """Seconds SIGTERM waits for in-flight requests and streams before the replica exits anyway."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Largest request body (413 above); a 128k-token prompt is ~1 MB of JSON, inline images more."""
+    body_timeout: float = 60.0
+    """Seconds a client may take to send its body (408 after), so slow senders cannot hold resources."""
     models_refresh: float = 15.0
     """Seconds between GET /v1/models polls of nodes whose record names no models."""
     max_connections: int = 1000
