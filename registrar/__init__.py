@@ -1,0 +1,1 @@
+"""vllm-registrar: keeps one vLLM node registered in etcd under a lease while it is healthy; drains it on SIGTERM."""

@@ -1,0 +1,213 @@
+"""``vllm-registrar``: flags and ``VLLM_REGISTRAR_*`` environment -> settings; logging; exit codes.
+
+Every flag also reads ``VLLM_REGISTRAR_<FLAG>`` (``--etcd-password`` -> ``VLLM_REGISTRAR_ETCD_PASSWORD``); a flag
+on the command line wins. ``--label`` from the environment is a comma-separated ``k=v,k2=v2`` list.
+Exit codes: 0 after a drain, 2 for bad usage, 1 when etcd is unreachable at start (or on a bug), the child's
+code in wrapper mode (126/127 when the command cannot be run). Errors before the start are one stderr line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from proxy.etcd import EtcdSettings, parse_endpoints
+from proxy.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
+from registrar.errors import StartupError, UsageError
+from registrar.runner import Runner
+from registrar.settings import MAX_TTL, MIN_TTL, RegistrarSettings
+
+PROG = "vllm-registrar"
+ENV_PREFIX = "VLLM_REGISTRAR_"
+logger = logging.getLogger(__name__)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        usage=f"{PROG} --etcd URL[,URL...] --role ROLE --url http://HOST:PORT [options] [-- COMMAND ARGS...]",
+        description="Register a vLLM node in etcd under a lease while it is healthy; drain it on SIGTERM. "
+        "With '-- COMMAND', run the node as a child process too.",
+        epilog=f"Every flag also reads {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}ETCD_PASSWORD; the flag wins.",
+    )
+    add = p.add_argument
+    add("--etcd", metavar="URL[,URL...]", help="etcd endpoints (required)")
+    add("--role", metavar="ROLE", help="prefill, decode or mixed (required)")
+    add("--url", metavar="URL", help="the node's base URL, http://HOST:PORT (required)")
+    add("--cluster", help="cluster segment of the key (default: default)")
+    add("--etcd-prefix", metavar="PREFIX", help="key prefix (default: /vllm)")
+    add("--node-id", metavar="ID", help="last key segment (default: HOST:PORT of --url)")
+    add("--ttl", metavar="S", help=f"lease TTL in seconds, {MIN_TTL}-{MAX_TTL} (default: 10)")
+    add("--models", metavar="auto|A,B", help="served models, or auto to ask GET /v1/models (default: auto)")
+    add("--label", metavar="K=V", action="append", help="a label for the record; repeatable")
+    add("--drain-timeout", metavar="S", help="longest wait on SIGTERM for in-flight requests (default: 30)")
+    add("--health-interval", metavar="S", help="seconds between health checks (default: 2)")
+    add("--health-timeout", metavar="S", help="seconds one probe request may take (default: 2)")
+    add("--unhealthy-after", metavar="N", help="failed checks in a row before withdrawal (default: 3)")
+    add("--etcd-timeout", metavar="S", help="seconds per etcd request and for the first connect (default: 5)")
+    add("--etcd-cacert", metavar="FILE", help="CA bundle to verify etcd's server certificate")
+    add("--etcd-cert", metavar="FILE", help="client certificate for etcd")
+    add("--etcd-key", metavar="FILE", help="private key of --etcd-cert")
+    add("--etcd-user", metavar="USER", help="etcd user")
+    add("--etcd-password", metavar="PW", help="etcd password (prefer the environment or a file)")
+    add("--etcd-password-file", metavar="FILE", help="file whose first line is the etcd password")
+    add("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    return p
+
+
+def _env(args: argparse.Namespace) -> None:
+    """Fill flags not given on the command line from the environment."""
+    for name in vars(args):
+        if getattr(args, name) is None:
+            text = os.environ.get(ENV_PREFIX + name.upper())
+            if text is not None:
+                setattr(args, name, [item for item in text.split(",") if item] if name == "label" else text)
+
+
+def _number(text: str | None, flag: str, default: float, *, low: float, high: float = math.inf) -> float:
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{flag} must be a number of seconds, not {text!r}") from None
+    if not low <= value <= high:
+        raise UsageError(f"{flag} must be between {low:g} and {high:g}, not {text}")
+    return value
+
+
+def _integer(text: str | None, flag: str, default: int, *, low: int, high: int) -> int:
+    if text is None:
+        return default
+    if not text.strip().isdigit() or not low <= int(text) <= high:
+        raise UsageError(f"{flag} must be a whole number from {low} to {high}, not {text!r}")
+    return int(text)
+
+
+def _labels(items: Sequence[str] | None) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--label must be KEY=VALUE, not {item!r}")
+        labels[key.strip()] = value
+    return labels
+
+
+def _password(args: argparse.Namespace) -> str | None:
+    if args.etcd_password is not None:
+        return str(args.etcd_password)
+    if args.etcd_password_file is None:
+        return None
+    try:
+        with open(args.etcd_password_file, encoding="utf-8") as file:
+            return file.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise UsageError(f"--etcd-password-file {args.etcd_password_file}: {exc.strerror or exc}") from None
+
+
+def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
+    """Flags (plus environment) -> (settings, log level); raise ``UsageError`` saying what is wrong."""
+    argv = list(argv)
+    command: tuple[str, ...] = ()
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], tuple(argv[split + 1 :])
+        if not command:
+            raise UsageError("'--' must be followed by a command")
+    args = build_parser().parse_args(argv)
+    _env(args)
+    for flag in ("etcd", "role", "url"):
+        if not getattr(args, flag):
+            raise UsageError(f"--{flag} is required (or {ENV_PREFIX}{flag.upper()})")
+    try:
+        role = Role(args.role)
+    except ValueError:
+        raise UsageError(f"--role must be prefill, decode or mixed, not {args.role!r}") from None
+    try:
+        url = validate_url(args.url)
+    except InvalidRecord as exc:
+        raise UsageError(f"--url: {exc}") from None
+    node_id = args.node_id or url_host_port(url)
+    layout = KeyLayout(prefix=args.etcd_prefix or "/vllm", cluster=args.cluster or "default")
+    if "/" in layout.cluster or not layout.cluster.strip():
+        raise UsageError(f"--cluster must be a non-empty name without '/', not {layout.cluster!r}")
+    try:
+        layout.parse_key(layout.key(role, node_id))
+    except InvalidRecord:
+        raise UsageError(f"--node-id must have no '/' or spaces and at most 255 characters: {node_id!r}") from None
+    models: tuple[str, ...] | None = None
+    if args.models is not None and args.models.strip() != "auto":
+        models = tuple(dict.fromkeys(m.strip() for m in args.models.split(",") if m.strip()))
+        if not models:
+            raise UsageError("--models must be auto or a comma-separated list of model names")
+    try:
+        etcd = EtcdSettings(
+            endpoints=parse_endpoints(args.etcd),
+            timeout=_number(args.etcd_timeout, "--etcd-timeout", 5.0, low=0.1, high=300),
+            cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
+            user=args.etcd_user, password=_password(args),
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UsageError(f"--etcd: {exc}") from None
+    for flag, path in (("--etcd-cacert", etcd.cacert), ("--etcd-cert", etcd.cert), ("--etcd-key", etcd.key)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise UsageError(f"{flag} {path}: not a readable file")
+    settings = RegistrarSettings(
+        etcd=etcd,
+        role=role,
+        url=url,
+        node_id=node_id,
+        cluster=layout.cluster,
+        prefix=layout.prefix,
+        ttl=_integer(args.ttl, "--ttl", 10, low=MIN_TTL, high=MAX_TTL),
+        models=models,
+        labels=_labels(args.label),
+        drain_timeout=_number(args.drain_timeout, "--drain-timeout", 30.0, low=0, high=24 * 3600),
+        health_interval=_number(args.health_interval, "--health-interval", 2.0, low=0.05, high=3600),
+        health_timeout=_number(args.health_timeout, "--health-timeout", 2.0, low=0.05, high=300),
+        unhealthy_after=_integer(args.unhealthy_after, "--unhealthy-after", 3, low=1, high=1000),
+        command=command,
+    )
+    return settings, _log_level(args.log_level)
+
+
+def _log_level(text: str | None) -> int:
+    level = logging.getLevelName((text or "INFO").upper())
+    if not isinstance(level, int):
+        raise UsageError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, not {text!r}")
+    return level
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        settings, level = parse_command_line(argv)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # httpx logs every probe at INFO; that is noise every --health-interval.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    try:
+        return asyncio.run(Runner(settings).run())
+    except StartupError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:  # a SIGINT before the handlers were installed
+        return 130
+    except Exception:
+        logger.exception("registrar failed")
+        return 1

@@ -1,0 +1,115 @@
+"""What the registrar asks the vLLM node over HTTP: health, served models, version, load.
+
+Every httpx error becomes a ``ProbeError`` here (``NodeUnreachable`` when nothing listens), so the runner
+deals in answers, not transports.
+"""
+
+from __future__ import annotations
+
+import json
+from types import TracebackType
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from registrar.errors import NodeUnreachable, ProbeError
+
+LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+"""Gauges whose sum is the node's load; drained means this sum is 0."""
+
+
+def parse_models(body: Any) -> tuple[str, ...]:
+    """Model ids from an OpenAI list (``{"data": [{"id": ...}, ...]}``), in order, without duplicates."""
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        raise ProbeError("/v1/models is not an OpenAI model list")
+    ids: list[str] = []
+    for entry in body["data"]:
+        model_id = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(model_id, str) or not model_id:
+            raise ProbeError("/v1/models has an entry without an id")
+        ids.append(model_id)
+    return tuple(dict.fromkeys(ids))
+
+
+def parse_load(text: str) -> int:
+    """running + waiting requests from Prometheus text, summed over label sets (engines, models)."""
+    total = 0.0
+    seen = False
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in LOAD_METRICS:
+                    total += sample.value
+                    seen = True
+    except ValueError as exc:
+        raise ProbeError(f"/metrics is not Prometheus text: {exc}") from None
+    if not seen:
+        raise ProbeError(f"/metrics has none of {', '.join(LOAD_METRICS)}")
+    return int(round(total))
+
+
+class NodeProbe:
+    """HTTP client for one node; use as an async context manager."""
+
+    def __init__(self, base_url: str, *, timeout: float) -> None:
+        self._base_url = base_url
+        # trust_env=False: the node sits next to us; an HTTP(S)_PROXY meant for the outside must not apply.
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, trust_env=False)
+
+    async def __aenter__(self) -> NodeProbe:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _get(self, path: str) -> httpx.Response:
+        try:
+            response = await self._http.get(path)
+        except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
+            raise NodeUnreachable(f"{self._base_url}{path}: {exc or type(exc).__name__}") from None
+        except httpx.HTTPError as exc:
+            raise ProbeError(f"{self._base_url}{path}: {type(exc).__name__} {exc}".rstrip()) from None
+        if response.status_code != 200:
+            raise ProbeError(f"{self._base_url}{path}: HTTP {response.status_code}")
+        return response
+
+    async def _get_json(self, path: str) -> Any:
+        response = await self._get(path)
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ProbeError(f"{self._base_url}{path}: body is not JSON") from None
+
+    async def check_health(self) -> None:
+        """Return if GET /health answers 200; raise ``ProbeError`` otherwise."""
+        await self._get("/health")
+
+    async def healthy(self) -> bool:
+        try:
+            await self.check_health()
+        except ProbeError:
+            return False
+        return True
+
+    async def models(self) -> tuple[str, ...]:
+        """Served model ids (base models and loaded LoRA adapters) from GET /v1/models."""
+        return parse_models(await self._get_json("/v1/models"))
+
+    async def version(self) -> str:
+        """The server's version from GET /version (vLLM has it), or "" when it does not tell."""
+        try:
+            body = await self._get_json("/version")
+        except ProbeError:
+            return ""
+        version = body.get("version") if isinstance(body, dict) else None
+        return version if isinstance(version, str) else ""
+
+    async def load(self) -> int:
+        """running + waiting requests from GET /metrics."""
+        return parse_load((await self._get("/metrics")).text)

@@ -1,0 +1,53 @@
+"""What one registrar process is told to do, after flags and environment are parsed (cli.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from proxy.etcd import EtcdSettings
+from proxy.records import KeyLayout, Role
+
+MIN_TTL = 2
+"""etcd itself rounds shorter leases up; below 5 s a short etcd hiccup can cost the key (it comes back)."""
+MAX_TTL = 3600
+"""A dead node keeps receiving traffic for up to one TTL; more than an hour is surely a typo."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistrarSettings:
+    """Everything the runner needs; built and validated by ``cli.settings_from_args``."""
+
+    etcd: EtcdSettings
+    """Endpoints, timeouts, TLS and auth for the etcd cluster."""
+    role: Role
+    """prefill, decode or mixed: the role segment of the key."""
+    url: str
+    """Base URL of the node's HTTP server, without a trailing slash; probed and written into the record."""
+    node_id: str
+    """Last key segment; the CLI defaults it to host:port of ``url``, so a node has one key wherever it runs."""
+    cluster: str = "default"
+    """Cluster segment of the key: proxies of one cluster see only its nodes."""
+    prefix: str = "/vllm"
+    """Key prefix shared with the proxies' ``--etcd-prefix``."""
+    ttl: int = 10
+    """Lease TTL in seconds: how long a crashed node stays routable; must outlast etcd hiccups."""
+    models: tuple[str, ...] | None = None
+    """Served model names; None means ask the node's GET /v1/models (and follow LoRA adapters coming and going)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Free-form labels copied into the record."""
+    drain_timeout: float = 30.0
+    """Seconds to wait on SIGTERM for running+waiting requests to reach 0: a long generation, not a hang."""
+    health_interval: float = 2.0
+    """Seconds between health checks, and between readiness polls at start."""
+    health_timeout: float = 2.0
+    """Seconds one probe request may take; a busy vLLM still answers /health in milliseconds."""
+    unhealthy_after: int = 3
+    """Consecutive failed health checks before the node is withdrawn: one slow answer is not an outage."""
+    command: tuple[str, ...] = ()
+    """Wrapper mode: the command to run as a child (everything after ``--``); empty for a sidecar."""
+
+    @property
+    def key(self) -> str:
+        """The etcd key this registrar owns."""
+        return KeyLayout(prefix=self.prefix, cluster=self.cluster).key(self.role, self.node_id)

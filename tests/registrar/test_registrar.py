@@ -1,0 +1,319 @@
+"""vllm-registrar as a real process against a real etcd and real simulated vLLM nodes.
+
+TTLs of 3 s keep the lease tests short; the registrar accepts >= 2 and warns below 5 (see settings.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.etcd_server import EtcdServer
+from tests.support.procs import HOST, free_port, http_ok, python_module, wait_until
+from tests.support.registrar_proc import (
+    Entry,
+    Registrar,
+    lease_ttl,
+    read_key,
+    run_registrar,
+    wait_for_key,
+    wait_for_no_key,
+)
+from tests.support.sim_node import SimNode
+
+StartSim = Callable[..., SimNode]
+StartRegistrar = Callable[..., Registrar]
+
+BAD_FLAGS = {
+    "unknown role": ["--role", "gpu", "--url", "http://127.0.0.1:8100"],
+    "url with another scheme": ["--role", "decode", "--url", "ftp://127.0.0.1:8100"],
+    "url with credentials": ["--role", "decode", "--url", "http://user:pw@127.0.0.1:8100"],
+    "url that is not a url": ["--role", "decode", "--url", "127.0.0.1:8100"],
+    "label without =": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--label", "zone"],
+    "ttl below 2": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--ttl", "1"],
+    "ttl not a number": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--ttl", "ten"],
+    "unknown flag": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--colour", "red"],
+    "-- without a command": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--"],
+}
+
+
+@pytest.fixture
+def sims(logs_dir: Path) -> Iterator[StartSim]:
+    started: list[SimNode] = []
+
+    def start(name: str = "sim", *, wait_healthy: bool = True, **knobs: Any) -> SimNode:
+        node = SimNode(logs_dir, f"{name}{len(started)}", **knobs)
+        started.append(node)
+        return node.start(wait_healthy=wait_healthy)
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+@pytest.fixture
+def registrars(etcd: EtcdServer, logs_dir: Path) -> Iterator[StartRegistrar]:
+    started: list[Registrar] = []
+
+    def start(url: str, *flags: str, **kwargs: Any) -> Registrar:
+        registrar = Registrar(etcd, url, logs_dir, *flags, name=f"registrar{len(started)}", **kwargs)
+        started.append(registrar)
+        return registrar
+
+    yield start
+    for registrar in started:
+        registrar.stop()
+        print(f"---- {registrar.name} log ----\n{registrar.log()}")  # shown when a test fails
+
+
+def decode_key(node_id: str) -> str:
+    return f"/vllm/default/decode/{node_id}"
+
+
+def long_completion(pool: ThreadPoolExecutor, url: str, tokens: int) -> Future[httpx.Response]:
+    body = {"model": "sim-model", "prompt": "tell me a story", "max_tokens": tokens, "ignore_eos": True}
+    return pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60.0)
+
+
+def running(url: str) -> int:
+    return int(httpx.get(f"{url}/sim/requests", timeout=5.0).json()["running"])
+
+
+def test_registers_once_the_node_is_healthy_with_models_from_the_node(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar, tmp_path: Path
+) -> None:
+    unhealthy = tmp_path / "unhealthy"
+    unhealthy.touch()
+    node = sims(model=["m-a", "m-b"], unhealthy_file=unhealthy, wait_healthy=False)
+    registrar = registrars(node.url, "--label", "zone=a", "--label", "gpu=h100", role="prefill")
+    key = f"/vllm/default/prefill/{node.host_port}"
+    registrar.wait_for_log("node not ready yet")
+    assert read_key(etcd, key) is None
+
+    unhealthy.unlink()
+    entry = wait_for_key(etcd, key)
+    registered_at = entry.record.pop("registered_at")
+    assert entry.record == {
+        "url": node.url,
+        "role": "prefill",
+        "models": ["m-a", "m-b"],
+        "status": "serving",
+        "labels": {"zone": "a", "gpu": "h100"},
+        "version": "0.11.0+sim",
+        "source": "registrar",
+    }
+    assert abs(datetime.fromisoformat(registered_at).timestamp() - time.time()) < 60
+    assert 0 < lease_ttl(etcd, entry.lease) <= 10
+
+
+def test_key_expires_with_its_lease_after_the_registrar_is_killed(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims()
+    env = {"VLLM_REGISTRAR_CLUSTER": "c1", "VLLM_REGISTRAR_ETCD_PREFIX": "/t"}
+    registrar = registrars(node.url, "--models", "x,y", "--node-id", "node-7", ttl=3, env=env)
+    entry = wait_for_key(etcd, "/t/c1/decode/node-7", models=["x", "y"], url=node.url)
+    assert 0 < lease_ttl(etcd, entry.lease) <= 3
+
+    registrar.kill()
+    wait_for_no_key(etcd, "/t/c1/decode/node-7", timeout=10)
+    assert lease_ttl(etcd, entry.lease) == -1
+
+
+def test_sigterm_marks_the_key_draining_and_waits_for_requests_in_flight(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims(itl=0.05)
+    registrar = registrars(node.url, "--drain-timeout", "30")
+    key = decode_key(node.host_port)
+    entry = wait_for_key(etcd, key, status="serving")
+    with ThreadPoolExecutor(1) as pool:
+        request = long_completion(pool, node.url, tokens=50)  # 2.5 s
+        wait_until(lambda: running(node.url) == 1, 5, "the request to run")
+        registrar.signal(signal.SIGTERM)
+
+        draining = wait_for_key(etcd, key, status="draining")
+        assert draining.lease == entry.lease
+        assert registrar.alive() and not request.done()
+        assert request.result(timeout=20).status_code == 200
+    assert registrar.wait(10) == 0
+    assert read_key(etcd, key) is None  # revoked at exit, not left to expire
+    assert lease_ttl(etcd, entry.lease) == -1
+    assert "drained" in registrar.log()
+
+
+def test_drain_timeout_bounds_the_wait_for_requests_in_flight(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims(itl=0.5)
+    registrar = registrars(node.url, "--drain-timeout", "1")
+    key = decode_key(node.host_port)
+    wait_for_key(etcd, key)
+    with ThreadPoolExecutor(1) as pool:
+        request = long_completion(pool, node.url, tokens=100)  # 50 s
+        wait_until(lambda: running(node.url) == 1, 5, "the request to run")
+        started = time.monotonic()
+        registrar.signal(signal.SIGINT)
+        assert registrar.wait(10) == 0
+        assert 1.0 <= time.monotonic() - started < 5.0
+        assert running(node.url) == 1
+        assert read_key(etcd, key) is None
+        node.kill()
+        assert request.exception(timeout=10) is not None
+    assert "drain timeout" in registrar.log()
+
+
+def test_unhealthy_node_is_withdrawn_and_restored_under_the_same_lease(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar, tmp_path: Path
+) -> None:
+    unhealthy = tmp_path / "unhealthy"
+    node = sims(unhealthy_file=unhealthy)
+    registrar = registrars(node.url)
+    key = decode_key(node.host_port)
+    entry = wait_for_key(etcd, key)
+
+    unhealthy.touch()
+    wait_for_no_key(etcd, key, timeout=5)
+    assert registrar.alive() and lease_ttl(etcd, entry.lease) > 0
+
+    unhealthy.unlink()
+    restored = wait_for_key(etcd, key, timeout=5, status="serving")
+    assert restored.lease == entry.lease
+    log = registrar.log()
+    assert "node unhealthy, withdrawn" in log and "node healthy again, restored" in log
+
+
+def test_key_deleted_by_an_operator_is_not_put_back(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar, tmp_path: Path
+) -> None:
+    unhealthy = tmp_path / "unhealthy"
+    node = sims(unhealthy_file=unhealthy)
+    registrar = registrars(node.url)
+    key = decode_key(node.host_port)
+    entry = wait_for_key(etcd, key)
+
+    etcd.etcdctl("del", key)
+    registrar.wait_for_log("key removed by someone else")
+    # A health flap and a drain must not bring it back either.
+    unhealthy.touch()
+    registrar.wait_for_log("node unhealthy, withdrawn")
+    unhealthy.unlink()
+    registrar.wait_for_log("node healthy again, restored")
+    assert registrar.alive() and lease_ttl(etcd, entry.lease) > 0
+    registrar.signal(signal.SIGTERM)
+    assert registrar.wait(10) == 0
+
+    assert read_key(etcd, key) is None
+    log = registrar.log()
+    assert log.count("registered key=") == 1 and "record updated" not in log
+
+
+def test_key_deleted_with_its_revoked_lease_comes_back_under_a_new_lease(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims()
+    registrar = registrars(node.url)
+    key = decode_key(node.host_port)
+    before = wait_for_key(etcd, key)
+
+    etcd.etcdctl("lease", "revoke", format(before.lease, "x"))
+    registrar.wait_for_log("lease lost")
+    after = wait_for_key(etcd, key, timeout=5)
+    assert after.lease != before.lease and lease_ttl(etcd, after.lease) > 0
+    assert "key removed by someone else" not in registrar.log()
+
+
+def test_key_comes_back_under_a_new_lease_after_etcd_was_down_longer_than_the_ttl(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims()
+    registrar = registrars(node.url, ttl=3)
+    key = decode_key(node.host_port)
+    before = wait_for_key(etcd, key)
+
+    etcd.kill()
+    registrar.wait_for_log("lease lost", timeout=15)
+    etcd.restart()
+
+    after: list[Entry] = []
+
+    def moved() -> bool:
+        entry = read_key(etcd, key)
+        if entry is None or entry.lease == before.lease:
+            return False
+        after.append(entry)
+        return True
+
+    wait_until(moved, 20, "the key under a new lease")
+    assert after[-1].record["status"] == "serving"
+    wait_until(lambda: lease_ttl(etcd, before.lease) == -1, 10, "the old lease to be revoked")
+    assert registrar.alive()
+
+
+def test_wrapper_mode_drains_before_stopping_the_child_and_exits_with_its_code(
+    etcd: EtcdServer, registrars: StartRegistrar
+) -> None:
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    child = python_module("sim", "--host", HOST, "--port", str(port), "--itl", "0.05")
+    registrar = registrars(url, command=tuple(child))
+    key = decode_key(f"{HOST}:{port}")
+    wait_for_key(etcd, key, timeout=20, models=["sim-model"])
+    with ThreadPoolExecutor(1) as pool:
+        request = long_completion(pool, url, tokens=50)  # 2.5 s
+        wait_until(lambda: running(url) == 1, 5, "the request to run")
+        registrar.signal(signal.SIGTERM)
+        wait_for_key(etcd, key, status="draining")
+        assert request.result(timeout=20).status_code == 200  # the child kept serving during the drain
+    # uvicorn re-raises the SIGTERM after its graceful shutdown: the child dies of it, as a shell reports.
+    assert registrar.wait(15) == 128 + signal.SIGTERM
+    assert read_key(etcd, key) is None
+    assert not http_ok(f"{url}/health")
+    log = registrar.log()
+    assert log.index("drained") < log.index("forwarding signal=SIGTERM") < log.index("child exited")
+
+
+def test_child_exiting_on_its_own_is_deregistered_at_once_and_its_code_passed_on(
+    etcd: EtcdServer, registrars: StartRegistrar
+) -> None:
+    port = free_port()
+    child = python_module("sim", "--host", HOST, "--port", str(port))
+    registrar = registrars(f"http://{HOST}:{port}", ttl=30, command=tuple(child))
+    key = decode_key(f"{HOST}:{port}")
+    wait_for_key(etcd, key, timeout=20)
+
+    os.kill(registrar.child_pid(), signal.SIGKILL)
+    assert registrar.wait(10) == 128 + signal.SIGKILL
+    assert read_key(etcd, key) is None  # revoked, long before the 30 s TTL
+
+
+def test_child_failing_before_it_is_ready_is_never_registered(etcd: EtcdServer, registrars: StartRegistrar) -> None:
+    url = f"http://{HOST}:{free_port()}"
+    registrar = registrars(url, command=("python3", "-c", "import sys; sys.exit(3)"))
+    assert registrar.wait(10) == 3
+    assert etcd.etcdctl("get", "--prefix", "/vllm", "--keys-only").strip() == ""
+
+
+@pytest.mark.parametrize("flags", list(BAD_FLAGS.values()), ids=list(BAD_FLAGS))
+def test_bad_flags_give_one_error_line_and_exit_2(flags: list[str]) -> None:
+    done = run_registrar("--etcd", "http://127.0.0.1:2379", *flags)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vllm-registrar: error: "), done.stderr
+
+
+def test_unreachable_etcd_at_start_gives_one_error_line_and_exits_1() -> None:
+    url = f"http://{HOST}:{free_port()}"
+    done = run_registrar("--etcd", url, "--etcd-timeout", "1", "--role", "decode", "--url", "http://127.0.0.1:9")
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("vllm-registrar: error: cannot connect to etcd"), done.stderr
