@@ -91,10 +91,14 @@ def test_any_request_gets_a_well_formed_answer_and_the_replica_keeps_serving(
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"model": MODEL, "messages": "hi"}, "messages"), ({"model": MODEL, "messages": []}, "messages"),
-     ({"model": MODEL, "messages": [1]}, "messages"), ({"model": MODEL, "prompt": "x", "max_tokens": "9"}, "max_tokens"),
-     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"), ({"model": MODEL, "prompt": "x", "stream": 1}, "stream"),
-     ({"model": [MODEL], "prompt": "x"}, "model"), ({"model": MODEL, "prompt": 5}, "prompt")],
+    [({"model": MODEL, "messages": "hi"}, "messages"),
+     ({"model": MODEL, "messages": []}, "messages"),
+     ({"model": MODEL, "messages": [1]}, "messages"),
+     ({"model": MODEL, "prompt": "x", "max_tokens": "9"}, "max_tokens"),
+     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+     ({"model": MODEL, "prompt": "x", "stream": 1}, "stream"),
+     ({"model": [MODEL], "prompt": "x"}, "model"),
+     ({"model": MODEL, "prompt": 5}, "prompt")],
 )  # fmt: skip
 def test_wrong_field_types_are_400_naming_the_field_and_reach_no_node(
     stack: tuple[ProxyProc, SimNode], body: dict[str, Any], param: str

@@ -51,8 +51,9 @@ def auth(key: str) -> dict[str, str]:
 
 
 def test_client_key_is_required_on_every_openai_route(proxy: ProxyProc) -> None:
-    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "x"}),
-                       ("/v1/embeddings", {"model": MODEL, "input": "x"}), ("/tokenize", {"model": MODEL})):  # fmt: skip
+    routes = [("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+              ("/v1/embeddings", {"model": MODEL, "input": "x"}), ("/tokenize", {"model": MODEL})]  # fmt: skip
+    for path, body in routes:
         for headers in ({}, auth("wrong"), {"Authorization": "client-key-a"}):
             answer = proxy.post(path, json=body, headers=headers)
             assert answer.status_code == 401, (path, headers)
