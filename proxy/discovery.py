@@ -10,11 +10,12 @@ whose ``Snapshot`` replaces the pool and so applies the deletes the watch missed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Callable
 
-from proxy.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue
+from proxy.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
 from proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
 from proxy.records import InvalidRecord, KeyLayout, Node
 
@@ -105,27 +106,31 @@ class Discovery:
 
     async def _watch(self) -> None:
         """Apply watch batches from ``state.revision + 1``; return only by raising."""
+        start = self._state.revision + 1
+        async with contextlib.aclosing(self._client.watch_prefix(self._layout.cluster_prefix, start)) as watch:
+            async for batch in watch:
+                self._handle(batch, start)
+
+    def _handle(self, batch: WatchBatch, start: int) -> None:
         state = self._state
-        start = state.revision + 1
-        async for batch in self._client.watch_prefix(self._layout.cluster_prefix, start):
-            if batch.created:
-                if batch.revision < state.revision:
-                    log.warning(
-                        "etcd revision went backwards; re-listing revision=%d last_seen=%d endpoint=%s",
-                        batch.revision, state.revision, self._client.current_endpoint,
-                    )  # fmt: skip
-                    raise _Relist
-                if self._broken:
-                    state.reconnects += 1
-                self._broken, self._failures = False, 0
-                state.connected, state.last_error = True, ""
-                state.endpoint = self._client.current_endpoint
-                log.info("etcd watching prefix=%s from_revision=%d endpoint=%s",
-                         self._layout.cluster_prefix, start, state.endpoint)  # fmt: skip
-                continue
-            for event in batch.events:
-                self._apply_event(event.type, event.kv)
-            state.revision = max(state.revision, batch.revision)
+        if batch.created:
+            if batch.revision < state.revision:
+                log.warning(
+                    "etcd revision went backwards; re-listing revision=%d last_seen=%d endpoint=%s",
+                    batch.revision, state.revision, self._client.current_endpoint,
+                )  # fmt: skip
+                raise _Relist
+            if self._broken:
+                state.reconnects += 1
+            self._broken, self._failures = False, 0
+            state.connected, state.last_error = True, ""
+            state.endpoint = self._client.current_endpoint
+            log.info("etcd watching prefix=%s from_revision=%d endpoint=%s",
+                     self._layout.cluster_prefix, start, state.endpoint)  # fmt: skip
+            return
+        for event in batch.events:
+            self._apply_event(event.type, event.kv)
+        state.revision = max(state.revision, batch.revision)
 
     def _apply_event(self, kind: EventType, kv: KeyValue) -> None:
         state = self._state

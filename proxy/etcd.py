@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar, cast
@@ -171,15 +171,16 @@ def _b(text: str | bytes) -> bytes:
     return text.encode() if isinstance(text, str) else text
 
 
-def _prefix_end(prefix: bytes) -> bytes:
-    """The range_end that selects every key starting with ``prefix``."""
-    end = bytearray(prefix)
+def _prefix_range(prefix: str | bytes) -> tuple[bytes, bytes]:
+    """(key, range_end) that select every key starting with ``prefix``; an empty prefix selects all keys."""
+    key = _b(prefix)
+    end = bytearray(key)
     while end and end[-1] == 0xFF:
         end.pop()
     if not end:
-        return b"\0"  # etcd: from key to the end of the keyspace
+        return key or b"\0", b"\0"  # etcd: range_end "\0" means "to the end of the keyspace"
     end[-1] += 1
-    return bytes(end)
+    return key, bytes(end)
 
 
 def _kv(kv: pb.KeyValue) -> KeyValue:
@@ -344,7 +345,7 @@ class EtcdClient:
 
     async def get_prefix(self, prefix: str | bytes) -> tuple[int, list[KeyValue]]:
         """All keys under ``prefix`` at one revision, paged; returns (revision, kvs sorted by key)."""
-        start, end = _b(prefix), _prefix_end(_b(prefix))
+        start, end = _prefix_range(prefix)
         revision, kvs = 0, list[KeyValue]()
         while True:
             request = pb.RangeRequest(key=start, range_end=end, limit=_PAGE, revision=revision)
@@ -366,7 +367,8 @@ class EtcdClient:
         return (await self._unary(_KV + "DeleteRange", request, pb.DeleteRangeResponse)).deleted
 
     async def delete_prefix(self, prefix: str | bytes) -> int:
-        request = pb.DeleteRangeRequest(key=_b(prefix), range_end=_prefix_end(_b(prefix)))
+        key, end = _prefix_range(prefix)
+        request = pb.DeleteRangeRequest(key=key, range_end=end)
         return (await self._unary(_KV + "DeleteRange", request, pb.DeleteRangeResponse)).deleted
 
     async def put_if_absent(self, key: str | bytes, value: bytes | str, *, lease: int = 0) -> bool:
@@ -463,17 +465,15 @@ class EtcdClient:
 
     async def watch_prefix(
         self, prefix: str | bytes, start_revision: int, *, idle_timeout: float = WATCH_IDLE_TIMEOUT
-    ) -> AsyncIterator[WatchBatch]:
+    ) -> AsyncGenerator[WatchBatch, None]:
         """Watch every key under ``prefix`` from ``start_revision``; yield one ``WatchBatch`` per response.
 
         The first batch is the ``created`` one; progress notifications come as batches without events.
         Raises ``Compacted`` when ``start_revision`` was compacted, ``EtcdUnavailable`` when the stream fails
         or stays silent for ``idle_timeout`` s (resume from the last batch's revision + 1).
         """
-        key = _b(prefix)
-        create = pb.WatchCreateRequest(
-            key=key, range_end=_prefix_end(key), start_revision=start_revision, progress_notify=True
-        )
+        key, end = _prefix_range(prefix)
+        create = pb.WatchCreateRequest(key=key, range_end=end, start_revision=start_revision, progress_notify=True)
         endpoint = self.current_endpoint
         channel = self._new_channel(endpoint)
         try:

@@ -95,22 +95,25 @@ def split_host_port(text: str) -> tuple[str, int]:
 
 
 def validate_url(url: str) -> str:
-    """Check a node URL (http/https, a host, no credentials, query or fragment); return it without trailing /."""
+    """Check a node URL (http/https, a host, no credentials, query or fragment); return it without trailing /.
+
+    Messages never quote the URL: a refused one may carry a password.
+    """
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
-    except ValueError as exc:
-        raise InvalidRecord(f"url {url!r} is malformed: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise InvalidRecord(f"url {url!r} must use http or https")
-    if parts.username is not None or parts.password is not None:
+    except ValueError:
+        raise InvalidRecord("url is malformed") from None
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
         raise InvalidRecord("url must not carry credentials")
+    if parts.scheme not in ("http", "https"):
+        raise InvalidRecord(f"url scheme {parts.scheme[:16]!r} is not http or https")
     if not parts.hostname:
-        raise InvalidRecord(f"url {url!r} has no host")
+        raise InvalidRecord("url has no host")
     if parts.query or parts.fragment:
-        raise InvalidRecord(f"url {url!r} must not have a query or fragment")
-    if port is not None and port == 0:
-        raise InvalidRecord(f"url {url!r} has port 0")
+        raise InvalidRecord("url must not have a query or fragment")
+    if port == 0:
+        raise InvalidRecord("url has port 0")
     return url.rstrip("/")
 
 

@@ -13,7 +13,7 @@ INVALID = [
     (b"/vllm/default/decode/not-a-host-port", b"", "not host:port"),
     (b"/vllm/default/decode/10.0.0.1:8000", b"[1, 2]", "not a JSON object"),
     (b"/vllm/default/decode/10.0.0.1:8000", b"{not json", "not JSON"),
-    (b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "ftp://10.0.0.1:8000"}', "http or https"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "ftp://10.0.0.1:8000"}', "not http or https"),
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "http://u:p@10.0.0.1:8000"}', "credentials"),
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"role": "prefill"}', "does not match"),
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"status": "asleep"}', "unknown status"),
@@ -63,3 +63,9 @@ def test_cluster_and_prefix_select_the_key_space() -> None:
     assert layout.key(Role.MIXED, "h:1") == "/fleet/east/mixed/h:1"
     with pytest.raises(InvalidRecord):
         layout.parse(b"/vllm/default/mixed/h:1", b"")
+
+
+def test_refusal_reasons_never_quote_credentials() -> None:
+    with pytest.raises(InvalidRecord) as refused:
+        LAYOUT.parse(b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "ftp://admin:hunter2@10.0.0.1:8000"}')
+    assert "hunter2" not in str(refused.value)
