@@ -29,6 +29,39 @@ class _Relist(Exception):
     """The watch cannot resume: list again."""
 
 
+class _Claims:
+    """Which key owns each node id. A node id registered under two roles (two keys) is ambiguous: the key
+    written first keeps it, later ones are shadowed (ignored as invalid) and take over when it goes away."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, str] = {}
+        self._node_of: dict[str, str] = {}
+        self._shadowed: dict[str, Node] = {}
+
+    def claim(self, key: str, node: Node) -> str | None:
+        """None when ``key`` may serve ``node``; else the key that already owns its node id."""
+        owner = self._owner.setdefault(node.node_id, key)
+        if owner == key:
+            self._node_of[key] = node.node_id
+            self._shadowed.pop(key, None)
+            return None
+        self._shadowed[key] = node
+        return owner
+
+    def release(self, key: str) -> Node | None:
+        """Forget ``key``; when it owned a node id, hand it to the oldest shadowed key and return that node."""
+        self._shadowed.pop(key, None)
+        node_id = self._node_of.pop(key, None)
+        if node_id is None or self._owner.get(node_id) != key:
+            return None
+        del self._owner[node_id]
+        for other, node in self._shadowed.items():
+            if node.node_id == node_id:
+                self.claim(other, node)
+                return node
+        return None
+
+
 class Discovery:
     """Keeps the pool in step with ``layout.cluster_prefix`` in etcd by calling ``apply`` with pool events."""
 
@@ -48,6 +81,7 @@ class Discovery:
         self._backoff_max = backoff_max
         self._listed = False
         self._broken = False
+        self._claims = _Claims()
         self._failures = 0
 
     async def run(self) -> None:
@@ -85,12 +119,16 @@ class Discovery:
         state = self._state
         revision, kvs = await self._client.get_prefix(self._layout.cluster_prefix)
         nodes, invalid = list[Node](), dict[str, str]()
-        for kv in kvs:
+        self._claims = _Claims()
+        for kv in sorted(kvs, key=lambda kv: kv.create_revision):
             parsed = self._parse(kv)
+            key = kv.key.decode("utf-8", "replace")
+            if isinstance(parsed, Node) and (owner := self._claims.claim(key, parsed)) is not None:
+                parsed = _duplicate(parsed, owner)
             if isinstance(parsed, Node):
                 nodes.append(parsed)
             else:
-                invalid[kv.key.decode("utf-8", "replace")] = parsed
+                invalid[key] = parsed
         for key, reason in invalid.items():
             if state.invalid_records.get(key) != reason:
                 state.invalid_total += 1
@@ -138,8 +176,12 @@ class Discovery:
         if kind is EventType.DELETE:
             state.invalid_records.pop(key, None)
             self._apply(Remove(key=key, revision=kv.mod_revision))
+            self._promote(key, kv.mod_revision)
             return
         parsed = self._parse(kv)
+        shadowed = False
+        if isinstance(parsed, Node) and (owner := self._claims.claim(key, parsed)) is not None:
+            parsed, shadowed = _duplicate(parsed, owner), True
         if isinstance(parsed, Node):
             state.invalid_records.pop(key, None)
             self._apply(Upsert(node=parsed, revision=kv.mod_revision))
@@ -149,6 +191,16 @@ class Discovery:
         log.warning("ignoring invalid etcd record key=%r reason=%s", key, parsed)
         # A key that held a valid node and now holds garbage must not keep routing to the old node.
         self._apply(Remove(key=key, revision=kv.mod_revision))
+        if not shadowed:
+            self._promote(key, kv.mod_revision)
+
+    def _promote(self, key: str, revision: int) -> None:
+        """``key`` no longer serves its node id: a shadowed key with the same id takes over."""
+        heir = self._claims.release(key)
+        if heir is not None and heir.key is not None:
+            self._state.invalid_records.pop(heir.key, None)
+            log.info("node id now served by key=%r", heir.key)
+            self._apply(Upsert(node=heir, revision=revision))
 
     def _parse(self, kv: KeyValue) -> Node | str:
         """The node, or why the key/value is not one."""
@@ -156,3 +208,7 @@ class Discovery:
             return self._layout.parse(kv.key, kv.value)
         except InvalidRecord as exc:
             return str(exc)
+
+
+def _duplicate(node: Node, owner: str) -> str:
+    return f"node id {node.node_id!r} is already registered under {owner!r}"

@@ -164,3 +164,18 @@ def test_replica_keeps_serving_its_last_pool_while_etcd_is_down(
     assert "vllm_proxy_etcd_connected 0.0" in replicas[0].get("/metrics").text
     etcd.start()
     wait_until(lambda: replicas[0].status()["discovery"]["connected"], 30, "replica to reconnect")
+
+
+def test_a_node_id_registered_under_two_roles_is_served_once_and_the_other_takes_over(
+    etcd: EtcdServer, replicas: list[ProxyProc], node: SimNode
+) -> None:
+    etcd.etcdctl("put", key("decode", node.host_port), "")
+    replicas[0].wait_routable("decode", node.host_port)
+    etcd.etcdctl("put", key("prefill", node.host_port), "")
+    wait_until(lambda: key("prefill", node.host_port) in replicas[0].status()["discovery"]["invalid_keys"], 10,
+               "the duplicate to be refused")  # fmt: skip
+    assert replicas[0].status()["prefill_node_count"] == 0
+    etcd.etcdctl("del", key("decode", node.host_port))
+    replicas[0].wait_routable("prefill", node.host_port)
+    replicas[0].wait_gone("decode", node.host_port)
+    assert key("prefill", node.host_port) not in replicas[0].status()["discovery"]["invalid_keys"]
