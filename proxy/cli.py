@@ -7,6 +7,7 @@ also reads ``ADMIN_API_KEY`` as in the seed. A flag on the command line wins ove
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -18,7 +19,8 @@ import uvicorn
 from proxy.app import build_app
 from proxy.balancer import POLICIES
 from proxy.ejection import EjectionSettings
-from proxy.etcd import EtcdSettings, parse_endpoints
+from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdUnavailable, parse_endpoints
+from proxy.records import KeyLayout
 from proxy.settings import ProxySettings, TimeoutSettings
 
 ENV_PREFIX = "VLLM_PROXY_"
@@ -76,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd-cert", help="client certificate for etcd")
     add("--etcd-key", help="client key for etcd")
     add("--etcd-user", help="etcd user name")
-    add("--etcd-password", help="etcd password (prefer VLLM_PROXY_ETCD_PASSWORD)")
+    add("--etcd-password", help="etcd password (prefer VLLM_PROXY_ETCD_PASSWORD or --etcd-password-file)")
+    add("--etcd-password-file", help="file whose first line is the etcd password")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
     return p
 
@@ -115,12 +118,22 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def etcd_password(args: argparse.Namespace) -> str | None:
+    if args.etcd_password_file:
+        try:
+            with open(args.etcd_password_file, encoding="utf-8") as handle:
+                return handle.readline().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"--etcd-password-file: {exc.strerror}: {args.etcd_password_file}") from None
+    return str(args.etcd_password) if args.etcd_password else None
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
             endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, cacert=args.etcd_cacert,
-            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user, password=args.etcd_password,
+            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user, password=etcd_password(args),
         )  # fmt: skip
     return ProxySettings(
         host=args.host, port=args.port, etcd=etcd, etcd_prefix=args.etcd_prefix, cluster=args.cluster,
@@ -138,6 +151,29 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     )  # fmt: skip
 
 
+async def check_etcd(settings: ProxySettings) -> str | None:
+    """Why etcd cannot be used with these settings (bad credentials, no permission, TLS mismatch), or None.
+
+    An etcd that is merely unreachable is not fatal: the replica starts, serves its static pools, reports
+    not ready, and keeps trying.
+    """
+    assert settings.etcd is not None
+    prefix = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster).cluster_prefix
+    try:
+        async with EtcdClient(settings.etcd) as client:
+            await client.get(prefix)
+    except EtcdAuthError as exc:
+        return f"etcd refused us: {exc} (check --etcd-user, the password and the user's role on {prefix})"
+    except EtcdUnavailable as exc:
+        if any(mark in str(exc) for mark in ("handshake", "Handshake", "CERTIFICATE", "TSI_", "Socket closed")):
+            hint = "check --etcd-cacert, --etcd-cert, --etcd-key and the URL scheme"
+            return f"cannot talk to etcd over TLS: {exc} ({hint})"
+        logging.getLogger(__name__).warning("etcd is not reachable yet; starting anyway: %s", exc)
+    except EtcdError as exc:
+        return f"etcd answered with an error: {exc}"
+    return None
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
@@ -147,6 +183,8 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # gRPC's C core prints its own error lines to stderr; ours already say what failed and why.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     _apply_env(parser, argv)
@@ -161,6 +199,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(settings.log_level)
+    if settings.etcd is not None:
+        problem = asyncio.run(check_etcd(settings))
+        if problem is not None:
+            print(f"vllm-proxy: error: {problem}", file=sys.stderr)
+            sys.exit(1)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
         access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",

@@ -241,7 +241,8 @@ class EtcdClient:
             try:
                 await self._once(self._channel, _STATUS, pb.StatusRequest(), pb.StatusResponse, [])
             except grpc.aio.AioRpcError as exc:
-                failures.append(f"{endpoint} ({exc.code().name})")
+                # gRPC's details carry the cause (refused, TLS handshake, certificate verify failed).
+                failures.append(f"{endpoint} ({exc.code().name}: {(exc.details() or '').strip()[:300]})")
                 continue
             log.info("etcd connected endpoint=%s", endpoint)
             if self.settings.user is not None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.etcd import EtcdClient, EtcdError
+from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError
 from proxy.pb.node_record_pb2 import NodeRecord
 from proxy.records import Status
 from registrar.errors import NodeUnreachable, ProbeError, StartupError
@@ -84,6 +84,11 @@ class Runner:
             client = EtcdClient(self._settings.etcd)
             try:
                 await client.connect()
+                # Fails now, not after the node is up, when our user may not touch the key.
+                await client.get(self._settings.key)
+            except EtcdAuthError as exc:
+                raise StartupError(f"etcd refused us: {exc} (check --etcd-user, the password and the user's "
+                                   f"role on {self._settings.key})") from None  # fmt: skip
             except EtcdError as exc:
                 raise StartupError(f"cannot connect to etcd: {exc}") from None
             try:
