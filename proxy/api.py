@@ -9,6 +9,7 @@ byte for byte, so every vLLM feature keeps working.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,7 +20,7 @@ from proxy.errors import ModelNotFound, NoNodeAvailable
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, upstream_headers
 from proxy.guard import ClientKeys, ConcurrencyLimit
 from proxy.metrics import ProxyMetrics
-from proxy.parsing import BodyLimits, check_fields, parse_object, read_body, request_id_of
+from proxy.parsing import BodyLimits, affinity_key, check_fields, parse_object, read_body, request_id_of
 from proxy.pool import Pool
 from proxy.records import Role
 from proxy.relay import Exchange, RelayResponse
@@ -30,8 +31,16 @@ class OpenAIRoutes:
     """Endpoints of the OpenAI API; each returns a RelayResponse that does the I/O."""
 
     def __init__(
-        self, settings: ProxySettings, pool: Pool, forwarder: Forwarder, metrics: ProxyMetrics, limit: ConcurrencyLimit
+        self,
+        settings: ProxySettings,
+        pool: Pool,
+        forwarder: Forwarder,
+        metrics: ProxyMetrics,
+        limit: ConcurrencyLimit,
+        *,
+        affinity: bool = False,
     ) -> None:
+        self._affinity = affinity
         self._settings = settings
         self._keys = ClientKeys(settings.api_keys)
         self._limit = limit
@@ -70,12 +79,13 @@ class OpenAIRoutes:
         model = check_fields(body, path)
         request_id = request_id_of(request)
         headers = upstream_headers(request.headers, request_id, self._settings.backend_api_key)
+        key = self._affinity_key(request, body)
         pool = self._pool
         if pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
             mode = "disagg"
 
             async def exchange() -> Upstream | ErrorAnswer:
-                return await self._disagg.run(path=path, model=model, body=body, headers=headers)
+                return await self._disagg.run(path=path, model=model, body=body, headers=headers, affinity=key)
 
         else:
             roles = (Role.MIXED, Role.DECODE)
@@ -83,7 +93,7 @@ class OpenAIRoutes:
                 raise self._no_node(model) if self._known(model) else self._unknown_model(model)
             mode = "mixed"
             leg = Leg(roles=roles, model=model, path=path, body=raw, headers=headers,
-                      timeout=self._settings.timeouts.first_byte)  # fmt: skip
+                      timeout=self._settings.timeouts.first_byte, affinity=key)  # fmt: skip
 
             async def exchange() -> Upstream | ErrorAnswer:
                 return await self._forwarder.open(leg)
@@ -93,20 +103,26 @@ class OpenAIRoutes:
     async def passthrough(self, request: Request) -> Response:
         self._keys.check(request)
         raw = await read_body(request, self._limits)
-        model = check_fields(parse_object(raw), request.url.path)
+        body = parse_object(raw)
+        model = check_fields(body, request.url.path)
         request_id = request_id_of(request)
         roles = (Role.MIXED, Role.DECODE)
         if not any(self._pool.candidates(r, model) for r in roles):
             raise self._no_node(model) if self._known(model) else self._unknown_model(model)
         leg = Leg(roles=roles, model=model, path=request.url.path, body=raw,
                   headers=upstream_headers(request.headers, request_id, self._settings.backend_api_key),
-                  timeout=self._settings.timeouts.first_byte)  # fmt: skip
+                  timeout=self._settings.timeouts.first_byte, affinity=self._affinity_key(request, body))  # fmt: skip
 
         async def exchange() -> Upstream | ErrorAnswer:
             return await self._forwarder.open(leg)
 
         route = request.url.path if request.url.path.count("/") <= 3 else "/v1/other"
         return self._relay(exchange, route, "mixed", request_id)
+
+    def _affinity_key(self, request: Request, body: dict[str, Any]) -> str | None:
+        if not self._affinity:
+            return None
+        return affinity_key(body, request.headers.get(self._settings.affinity_header))
 
     def _relay(self, exchange: Exchange, route: str, mode: str, request_id: str) -> RelayResponse:
         self._limit.acquire()

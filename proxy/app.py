@@ -26,6 +26,7 @@ from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
 from proxy.guard import ConcurrencyLimit
 from proxy.info import InfoRoutes
+from proxy.loadwatch import LoadWatcher
 from proxy.metrics import PoolCollector, ProxyMetrics
 from proxy.pool import Pool
 from proxy.prober import ModelProber
@@ -86,8 +87,10 @@ def build_app(settings: ProxySettings) -> Starlette:
         limits=httpx.Limits(max_connections=settings.max_connections,
                             max_keepalive_connections=settings.max_connections, keepalive_expiry=60.0),
         follow_redirects=False,
+        trust_env=False,  # nodes sit next to us: an HTTP(S)_PROXY meant for the outside must not apply
     )  # fmt: skip
-    policies = {role: make_policy(settings.policy) for role in Role}
+    overrides = dict(settings.role_policies)
+    policies = {role: make_policy(overrides.get(role.value, settings.policy)) for role in Role}
     ejector = Ejector(pool, client, settings.ejection)
     forwarder = Forwarder(client, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
@@ -98,6 +101,9 @@ def build_app(settings: ProxySettings) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(prober.run(), name="model-prober"),
                  asyncio.create_task(ejector.run(), name="ejection-prober")]  # fmt: skip
+        if settings.scrape_load > 0:
+            watcher = LoadWatcher(pool, client, settings.scrape_load, backend_auth)
+            tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
             discovery = Discovery(etcd, layout, pool.apply, discovery_state)
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
@@ -116,7 +122,8 @@ def build_app(settings: ProxySettings) -> Starlette:
         *AdminRoutes(pool=pool, client=client, admin_key=settings.admin_key, etcd=etcd, layout=layout,
                      models=settings.models, metrics=metrics, allowed=settings.admin_allow,
                      backend_auth=backend_auth).routes(),  # fmt: skip
-        *OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent)).routes(),
+        *OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
+                      affinity=any(p.name == "consistent-hash" for p in policies.values())).routes(),  # fmt: skip
     ]
     return Starlette(
         routes=routes,

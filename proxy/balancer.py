@@ -1,12 +1,17 @@
 """Routing policies: given the routable nodes for one leg, pick one. No I/O, no waiting.
 
-A policy sees only the candidates (with their in-flight counts) and the nodes already tried for this
-request, so retries go elsewhere. Policies keep a rotation counter and nothing else.
+A policy sees the candidates (with this replica's in-flight counts and, where scraped, the node's own
+queue), the nodes already tried for this request (retries go elsewhere) and an affinity key. Policies keep a
+rotation counter or a random generator and nothing else, so every replica decides alike from the same pool.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import itertools
+import math
+import random
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -16,7 +21,9 @@ from proxy.pool import NodeState
 class Policy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = ()) -> NodeState | None:
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
+    ) -> NodeState | None:
         """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty."""
 
 
@@ -28,6 +35,11 @@ def _untried(candidates: Sequence[NodeState], tried: Collection[NodeState]) -> S
     return fresh or candidates
 
 
+def load(state: NodeState) -> int:
+    """This replica's requests on the node plus the node's own queue (0 unless --scrape-load is on)."""
+    return state.in_flight + state.node_waiting
+
+
 class RoundRobin:
     """Each node in turn, ignoring load."""
 
@@ -36,7 +48,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = ()) -> NodeState | None:
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if not pool:
             return None
@@ -45,23 +59,96 @@ class RoundRobin:
 
 
 class LeastLoad:
-    """Fewest requests in flight from this replica; round-robin among equals so ties spread evenly."""
+    """Least load; round-robin among equals so ties spread evenly."""
 
     name = "least-load"
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = ()) -> NodeState | None:
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if not pool:
             return None
-        least = min(s.in_flight for s in pool)
-        ties = sorted((s for s in pool if s.in_flight == least), key=lambda s: s.node.url)
+        least = min(load(s) for s in pool)
+        ties = sorted((s for s in pool if load(s) == least), key=lambda s: s.node.url)
         return ties[next(self._turn) % len(ties)]
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoad]] = {RoundRobin.name: RoundRobin, LeastLoad.name: LeastLoad}
+class PowerOfTwo:
+    """Two nodes at random, the less loaded of them: near least-load balance without herding on one node."""
+
+    name = "power-of-two"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
+    ) -> NodeState | None:
+        pool = _untried(candidates, tried)
+        if len(pool) <= 1:
+            return pool[0] if pool else None
+        first, second = self._rng.sample(list(pool), 2)
+        return first if load(first) <= load(second) else second
+
+
+def _point(text: str) -> int:
+    # A stable hash (not Python's salted hash()): every replica must place nodes and keys alike.
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class ConsistentHash:
+    """Affinity: the same key (session, user, or prompt prefix) goes to the same node on every replica, so
+    the node's prefix cache is reused; bounded load (each node takes at most ``1 + epsilon`` times the average)
+    sends a key onward along the ring when its node is overloaded. Requests without a key: least-load."""
+
+    name = "consistent-hash"
+    VNODES = 64
+    """Points per node on the ring; more points spread keys more evenly."""
+
+    def __init__(self, epsilon: float = 0.25) -> None:
+        self._epsilon = epsilon
+        self._fallback = LeastLoad()
+        self._ring_of: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, urls: tuple[str, ...]) -> None:
+        if urls == self._ring_of:
+            return
+        pairs = sorted((_point(f"{url}#{i}"), url) for url in urls for i in range(self.VNODES))
+        self._points = [p for p, _ in pairs]
+        self._owners = [u for _, u in pairs]
+        self._ring_of = urls
+
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
+    ) -> NodeState | None:
+        pool = _untried(candidates, tried)
+        if key is None or len(pool) <= 1:
+            return self._fallback.choose(pool, (), key)
+        by_url = {s.node.url: s for s in pool}
+        self._ring(tuple(sorted(by_url)))
+        total = sum(load(s) for s in pool) + 1
+        capacity = math.ceil(total * (1 + self._epsilon) / len(pool))
+        start = bisect.bisect(self._points, _point(key))
+        seen: set[str] = set()
+        for i in range(len(self._owners)):
+            url = self._owners[(start + i) % len(self._owners)]
+            if url in seen:
+                continue
+            seen.add(url)
+            if load(by_url[url]) < capacity:
+                return by_url[url]
+        return self._fallback.choose(pool, (), key)
+
+
+POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PowerOfTwo] | type[ConsistentHash]] = {
+    p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash)
+}
 
 
 def make_policy(name: str) -> Policy:

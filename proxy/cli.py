@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
     add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
     add("--policy", default="least-load", choices=sorted(POLICIES), help="balancing policy (default least-load)")
+    for role in ("prefill", "decode", "mixed"):
+        add(f"--{role}-policy", choices=sorted(POLICIES), help=f"policy for {role} nodes (default: --policy)")
+    add("--affinity-header", default="x-session-id", help="session header for consistent-hash (default "
+        "x-session-id; without it: the body's user, else the prompt's start)")  # fmt: skip
+    add("--scrape-load", type=float, default=0.0, help="seconds between scrapes of each node's /metrics queue "
+        "for the load-aware policies (default 0: off)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
     add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default 5)")
     add("--prefill-timeout", type=float, default=300.0, help="seconds for the whole prefill leg (default 300)")
@@ -141,7 +147,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         admin_key=args.admin_key or None, admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
         api_keys=api_keys(args), backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-        policy=args.policy, max_attempts=args.max_attempts,
+        policy=args.policy, max_attempts=args.max_attempts, affinity_header=args.affinity_header.lower(),
+        role_policies=tuple((r, getattr(args, f"{r}_policy")) for r in ("prefill", "decode", "mixed")
+                            if getattr(args, f"{r}_policy")),
+        scrape_load=args.scrape_load,
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,

@@ -62,25 +62,25 @@ class Disaggregator:
         self._timeouts = timeouts
 
     async def run(
-        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str], affinity: str | None = None
     ) -> Upstream | ErrorAnswer:
-        kv = await self._prefill(path=path, model=model, body=body, headers=headers)
+        kv = await self._prefill(path=path, model=model, body=body, headers=headers, affinity=affinity)
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
         leg = Leg(
             roles=(Role.DECODE,), model=model, path=path, headers=headers, timeout=self._timeouts.first_byte,
-            body=json.dumps(decode_body(body, kv), separators=(",", ":")).encode(),
+            body=json.dumps(decode_body(body, kv), separators=(",", ":")).encode(), affinity=affinity,
         )  # fmt: skip
         return await self._forwarder.open(leg)
 
     async def _prefill(
-        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str]
+        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str], affinity: str | None
     ) -> Any:
         """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
         total = self._timeouts.prefill
         leg = Leg(
             roles=(Role.PREFILL,), model=model, path=path, headers=headers, timeout=total,
-            body=json.dumps(prefill_body(body), separators=(",", ":")).encode(),
+            body=json.dumps(prefill_body(body), separators=(",", ":")).encode(), affinity=affinity,
         )  # fmt: skip
         try:
             async with asyncio.timeout(total):

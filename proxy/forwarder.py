@@ -55,6 +55,8 @@ class Leg:
     headers: Mapping[str, str]
     timeout: float
     """Seconds until response headers (the prefill leg uses its total timeout here)."""
+    affinity: str | None = None
+    """Key the consistent-hash policy routes by (session, user or prompt prefix); None for the others."""
 
 
 def upstream_headers(
@@ -161,7 +163,7 @@ class Forwarder:
         last_answer: ErrorAnswer | None = None
         for attempt in range(self._settings.max_attempts):
             role, candidates = self._candidates(leg)
-            state = self._policies[role].choose(candidates, tried)
+            state = self._policies[role].choose(candidates, tried, leg.affinity)
             if state is None:
                 break
             if attempt:

@@ -60,6 +60,27 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
     return bytes(raw)
 
 
+AFFINITY_PREFIX_CHARS = 2048
+"""How much of the prompt names a conversation for consistent-hash: enough for a system prompt and the
+first turn, which is what a node's prefix cache can reuse."""
+
+
+def affinity_key(body: dict[str, Any], header_value: str | None) -> str | None:
+    """What consistent-hash routes by: the session header, else the body's ``user``, else the prompt's start."""
+    if header_value:
+        return f"session:{header_value}"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return f"user:{user}"
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        return "prefix:" + json.dumps(messages[:2], sort_keys=True, default=str)[:AFFINITY_PREFIX_CHARS]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return "prefix:" + prompt[:AFFINITY_PREFIX_CHARS]
+    return None
+
+
 def parse_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)

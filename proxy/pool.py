@@ -24,6 +24,8 @@ class NodeState:
     """True once the node's GET /v1/models answered."""
     in_flight: int = 0
     """Requests this replica has open on the node right now."""
+    node_waiting: int = 0
+    """Requests waiting in the node's own queue (all replicas'), from its /metrics when --scrape-load is on."""
     served: int = 0
     """Requests completed through this replica (any outcome)."""
     failures: int = 0

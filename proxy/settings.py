@@ -56,7 +56,13 @@ class ProxySettings:
     max_concurrent: int = 0
     """Proxied requests in flight on this replica before new ones get 503 + Retry-After; 0 = no limit."""
     policy: str = "least-load"
-    """Balancing policy for every role: least-load or round-robin."""
+    """Balancing policy: least-load, round-robin, power-of-two or consistent-hash."""
+    role_policies: tuple[tuple[str, str], ...] = ()
+    """(role, policy) pairs overriding ``policy`` for one role, e.g. consistent-hash for prefill only."""
+    affinity_header: str = "x-session-id"
+    """Header naming a session for consistent-hash; else the body's ``user``, else the prompt's start."""
+    scrape_load: float = 0.0
+    """Seconds between scrapes of each node's /metrics queue for the load-aware policies; 0 = off."""
     max_attempts: int = 3
     """Nodes tried for one leg before the request fails (only before its first byte reached the client)."""
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)

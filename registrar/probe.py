@@ -11,11 +11,11 @@ from types import TracebackType
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.loadwatch import RUNNING, WAITING, parse_vllm_load
 from registrar.errors import NodeUnreachable, ProbeError
 
-LOAD_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+LOAD_METRICS = (RUNNING, WAITING)
 """Gauges whose sum is the node's load; drained means this sum is 0."""
 
 
@@ -34,19 +34,13 @@ def parse_models(body: Any) -> tuple[str, ...]:
 
 def parse_load(text: str) -> int:
     """running + waiting requests from Prometheus text, summed over label sets (engines, models)."""
-    total = 0.0
-    seen = False
     try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in LOAD_METRICS:
-                    total += sample.value
-                    seen = True
+        load = parse_vllm_load(text)
     except ValueError as exc:
         raise ProbeError(f"/metrics is not Prometheus text: {exc}") from None
-    if not seen:
+    if load is None:
         raise ProbeError(f"/metrics has none of {', '.join(LOAD_METRICS)}")
-    return int(round(total))
+    return int(round(sum(load)))
 
 
 class NodeProbe:
