@@ -24,7 +24,7 @@ test: venv etcd
 	$(BIN)/python -m pytest -q
 
 lint: venv
-	$(BIN)/ruff check proxy registrar sim tests bench
+	$(BIN)/ruff check proxy registrar sim tests $(wildcard bench)
 	$(BIN)/mypy proxy registrar sim
 
 # Regenerate proxy/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).

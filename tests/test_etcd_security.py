@@ -54,7 +54,8 @@ def auth_etcd(tmp_path: Path, logs_dir: Path) -> Iterator[AuthEtcd]:
 def proxy_exits(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a proxy that is expected to refuse to start."""
     argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(free_port()), *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin:/bin", **(env or {})})
+    full_env = {"PATH": "/usr/bin:/bin", **(env or {})}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, env=full_env)
 
 
 def error_lines(stderr: str, program: str) -> list[str]:
