@@ -12,6 +12,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,7 +25,7 @@ from proxy.errors import MethodNotAllowed, NotFound, ProxyError
 from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
-from proxy.guard import ConcurrencyLimit
+from proxy.guard import ConcurrencyLimit, HeaderLimit
 from proxy.info import InfoRoutes
 from proxy.loadwatch import LoadWatcher
 from proxy.metrics import PoolCollector, ProxyMetrics
@@ -129,4 +130,5 @@ def build_app(settings: ProxySettings) -> Starlette:
         routes=routes,
         lifespan=lifespan,
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
+        middleware=[Middleware(HeaderLimit, max_bytes=settings.max_header_bytes)],
     )

@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--backend-api-key", help="key sent to nodes started with vLLM's --api-key (default: pass the client's)")
     add("--max-concurrent-requests", type=int, default=0, help="in-flight requests before 503 (default 0: no limit)")
     add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
+    add("--max-header-bytes", type=int, default=64 * 1024, help="largest request headers (default 64 KiB)")
     add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
     add("--policy", default="least-load", choices=sorted(POLICIES), help="balancing policy (default least-load)")
     for role in ("prefill", "decode", "mixed"):
@@ -147,6 +148,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         admin_key=args.admin_key or None, admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
         api_keys=api_keys(args), backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+        max_header_bytes=args.max_header_bytes,
         policy=args.policy, max_attempts=args.max_attempts, affinity_header=args.affinity_header.lower(),
         role_policies=tuple((r, getattr(args, f"{r}_policy")) for r in ("prefill", "decode", "mixed")
                             if getattr(args, f"{r}_policy")),

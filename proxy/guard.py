@@ -7,11 +7,13 @@ Client keys are optional: with none configured the API is open (the embedded def
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Iterable
 
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.errors import ServiceUnavailable, Unauthorized
+from proxy.errors import ProxyError, ServiceUnavailable, Unauthorized
 
 
 def bearer_token(request: Request) -> str | None:
@@ -61,3 +63,33 @@ class ConcurrencyLimit:
 
     def release(self) -> None:
         self.in_flight -= 1
+
+
+class HeadersTooLarge(ProxyError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+
+
+class HeaderLimit:
+    """ASGI middleware: 431 for requests whose headers add up to more than ``max_bytes``.
+
+    The HTTP parser has already read them, but nothing of ours (nor any node) ever handles them.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.max_bytes:
+            size = sum(len(name) + len(value) + 4 for name, value in scope["headers"])
+            if size > self.max_bytes:
+                error = HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes")
+                body = json.dumps(error.body()).encode()
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                           (b"connection", b"close")]  # fmt: skip
+                await send({"type": "http.response.start", "status": error.status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

@@ -73,6 +73,8 @@ class ProxySettings:
     """Seconds SIGTERM waits for in-flight requests and streams before the replica exits anyway."""
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest request body (413 above); a 128k-token prompt is ~1 MB of JSON, inline images more."""
+    max_header_bytes: int = 64 * 1024
+    """Largest total size of request headers (431 above); real clients send a few KiB."""
     body_timeout: float = 60.0
     """Seconds a client may take to send its body (408 after), so slow senders cannot hold resources."""
     models_refresh: float = 15.0

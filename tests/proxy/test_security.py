@@ -132,3 +132,10 @@ def test_admin_key_is_not_a_client_key(proxy: ProxyProc) -> None:
     assert proxy.post("/v1/chat/completions", json=CHAT, headers=auth("adm")).status_code == 401
     assert proxy.post("/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"},
                       headers=auth("client-key-a")).status_code == 401  # fmt: skip
+
+
+def test_oversized_headers_get_a_431_and_the_replica_keeps_serving(proxy: ProxyProc) -> None:
+    with socket.create_connection((HOST, proxy.port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 200_000 + b"\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 431")
+    assert proxy.get("/health").status_code == 200
