@@ -26,7 +26,7 @@ from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
 from proxy.guard import ConcurrencyLimit, HeaderLimit
-from proxy.info import InfoRoutes
+from proxy.info import InfoRoutes, Lifecycle
 from proxy.loadwatch import LoadWatcher
 from proxy.metrics import PoolCollector, ProxyMetrics
 from proxy.pool import Pool
@@ -68,6 +68,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def build_app(settings: ProxySettings) -> Starlette:
     """The ASGI app of one replica."""
+    lifecycle = Lifecycle()
     registry = CollectorRegistry(auto_describe=True)
     metrics = ProxyMetrics(registry)
     pool = Pool()
@@ -119,16 +120,18 @@ def build_app(settings: ProxySettings) -> Starlette:
             await client.aclose()
 
     routes = [
-        *InfoRoutes(pool=pool, discovery=discovery_state, registry=registry).routes(),
+        *InfoRoutes(pool=pool, discovery=discovery_state, registry=registry, lifecycle=lifecycle).routes(),
         *AdminRoutes(pool=pool, client=client, admin_key=settings.admin_key, etcd=etcd, layout=layout,
                      models=settings.models, metrics=metrics, allowed=settings.admin_allow,
                      backend_auth=backend_auth).routes(),  # fmt: skip
         *OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                       affinity=any(p.name == "consistent-hash" for p in policies.values())).routes(),  # fmt: skip
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
         middleware=[Middleware(HeaderLimit, max_bytes=settings.max_header_bytes)],
     )
+    app.state.lifecycle = lifecycle
+    return app

@@ -10,9 +10,11 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from ipaddress import ip_network
+from types import FrameType
 
 import uvicorn
 
@@ -20,6 +22,7 @@ from proxy.app import build_app
 from proxy.balancer import POLICIES
 from proxy.ejection import EjectionSettings
 from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdUnavailable, parse_endpoints
+from proxy.info import Lifecycle
 from proxy.records import KeyLayout
 from proxy.settings import ProxySettings, TimeoutSettings
 
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 3; 0 disables)")  # fmt: skip
     add("--eject-backoff", type=float, default=1.0, help="seconds before an ejected node's first probe (default 1)")
     add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default 30)")
+    add("--shutdown-delay", type=float, default=0.0, help="seconds a replica reports not ready after SIGTERM "
+        "before it stops listening, for balancers that health-check /ready (default 0)")  # fmt: skip
     add("--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests "
         "(default 60)")  # fmt: skip
     add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
@@ -157,7 +162,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,
                                   max_backoff=args.eject_max_backoff),
-        shutdown_timeout=args.shutdown_timeout, models_refresh=args.models_refresh,
+        shutdown_timeout=args.shutdown_timeout, shutdown_delay=args.shutdown_delay,
+        models_refresh=args.models_refresh,
         max_connections=args.max_connections, log_level=args.log_level,
     )  # fmt: skip
 
@@ -183,6 +189,25 @@ async def check_etcd(settings: ProxySettings) -> str | None:
     except EtcdError as exc:
         return f"etcd answered with an error: {exc}"
     return None
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT, report not ready for ``delay`` seconds (so a balancer's health checks take
+    the replica out) while still serving, then let uvicorn stop listening and finish what is in flight."""
+
+    def __init__(self, config: uvicorn.Config, *, delay: float, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self._delay = delay
+        self._lifecycle = lifecycle
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._delay <= 0 or self._lifecycle.shutting_down:
+            super().handle_exit(sig, frame)
+            return
+        self._lifecycle.shutting_down = True
+        logging.getLogger(__name__).info("shutting down: not ready for %gs, then draining", self._delay)
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(loop.call_later, self._delay, super().handle_exit, sig, frame)
 
 
 def configure_logging(level: str) -> None:
@@ -219,7 +244,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
         access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",
     )  # fmt: skip
-    uvicorn.Server(config).run()
+    # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.state.lifecycle).run()
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ class Ejector:
 
     def success(self, state: NodeState) -> None:
         state.failures = 0
+        state.probation = False
 
     def failure(self, state: NodeState, reason: str) -> None:
         state.failures += 1
@@ -90,8 +91,10 @@ class Ejector:
         except httpx.HTTPError:
             healthy = False
         if healthy:
-            # Probation: /health can be fine while requests hang, so one more failure ejects it again.
+            # Probation: /health can be fine while requests hang, so the node gets one request at a time and
+            # one more failure ejects it again.
             state.failures = max(0, self._settings.after - 1)
+            state.probation = True
             self._reinstated_at[id(state)] = time.monotonic()
             self._pool.set_ejected(state, False)
             log.info("node reinstated node=%s role=%s", state.node.node_id, state.node.role.value)

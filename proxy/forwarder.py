@@ -216,6 +216,8 @@ class Forwarder:
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, response.status_code)
             headers = [(k, v) for k, v in client_headers(response) if k.lower() != b"content-length"]
             return ErrorAnswer(status=response.status_code, headers=headers, body=body, node_id=node.node_id)
+        # The node answered: that ends probation even before the body (a long generation) is through.
+        self._ejector.success(state)
         return Upstream(self, state, role, response)
 
     def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -34,8 +35,18 @@ def worker_view(state: NodeState) -> dict[str, Any]:
     }
 
 
+@dataclass(kw_only=True)
+class Lifecycle:
+    """Set by the CLI's signal handling: a replica shutting down reports not ready before it stops listening."""
+
+    shutting_down: bool = False
+
+
 class InfoRoutes:
-    def __init__(self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry, lifecycle: Lifecycle
+    ) -> None:
+        self._lifecycle = lifecycle
         self._pool = pool
         self._discovery = discovery
         self._registry = registry
@@ -54,6 +65,8 @@ class InfoRoutes:
         return Response(status_code=200)
 
     def _ready_reason(self) -> str | None:
+        if self._lifecycle.shutting_down:
+            return "shutting down"
         if self._discovery.enabled and not self._discovery.synced:
             return "etcd discovery has not synced yet"
         if not any(s.routable for s in self._pool.all()):

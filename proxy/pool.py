@@ -36,6 +36,8 @@ class NodeState:
     """Ejections in a row without a healthy spell in between; the probe back-off doubles with each."""
     probe_at: float = 0.0
     """monotonic() time of the next health probe while ejected."""
+    probation: bool = False
+    """Back from ejection but not yet proven: takes one request at a time until one succeeds."""
 
     @property
     def entry_key(self) -> str:
@@ -159,7 +161,7 @@ class Pool:
                     for name in state.models:
                         index.setdefault((state.node.role, name), []).append(state)
             self._index = {k: tuple(v) for k, v in index.items()}
-        return [s for s in self._index.get((role, model), ()) if not s.ejected]
+        return [s for s in self._index.get((role, model), ()) if not s.ejected and not (s.probation and s.in_flight)]
 
     def models(self) -> list[str]:
         """Models served by at least one routable node, sorted."""

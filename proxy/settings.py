@@ -69,6 +69,8 @@ class ProxySettings:
     """Upstream timeouts."""
     ejection: EjectionSettings = field(default_factory=EjectionSettings)
     """When failing nodes leave this replica's routing and how they are probed back."""
+    shutdown_delay: float = 0.0
+    """Seconds /ready answers 503 after SIGTERM while the replica still serves, before it stops listening."""
     shutdown_timeout: float = 60.0
     """Seconds SIGTERM waits for in-flight requests and streams before the replica exits anyway."""
     max_body_bytes: int = 32 * 1024 * 1024

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,10 +17,24 @@ import httpx
 HOST = "127.0.0.1"
 
 
+_given_ports: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    """A loopback port that is free now and was never handed out before in this test process.
+
+    Binding port 0 and closing the socket can return the same number twice before either process binds it;
+    remembering what was handed out makes a dozen processes started at once get distinct ports.
+    """
+    with _ports_lock:
+        while True:
+            with socket.socket() as sock:
+                sock.bind((HOST, 0))
+                port = int(sock.getsockname()[1])
+            if port not in _given_ports:
+                _given_ports.add(port)
+                return port
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

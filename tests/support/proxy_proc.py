@@ -21,7 +21,11 @@ class ProxyProc:
             full_env["ADMIN_API_KEY"] = admin_key
         argv = python_module("proxy", "--host", HOST, "--port", str(self.port), *args)
         self.proc = Proc(name, argv, log_dir, env=full_env)
-        wait_until(lambda: http_ok(f"{self.url}/health"), 20, f"{name} /health")
+        try:
+            wait_until(lambda: http_ok(f"{self.url}/health"), 20, f"{name} /health")
+        except BaseException:
+            self.proc.stop()
+            raise
 
     @property
     def url(self) -> str:

@@ -1,0 +1,382 @@
+"""A steady mixed load through proxy replicas that records the outcome of every single request.
+
+    with Load([replica_a.url, replica_b.url], clients=6) as load:
+        load.wait_for(20)                  # the load is flowing
+        ... inject a fault ...
+    load.counts()                          # {"total": 812, "ok": 809, "sse_error": 3, ...}
+    load.failures()                        # the Outcomes that did not succeed
+
+The load runs on its own event loop in a background thread, so a test can inject faults with blocking calls
+(processes, etcdctl, polls) while it goes on. ``clients`` coroutines each send one request at a time, cycling
+through ``KINDS`` (streamed or not, disaggregated or mixed model, completions or chat) and the replicas, with
+a short pause between requests. Each request carries ``X-Request-Id: {tag}-r{replica}-{seq}``, so what a node
+recorded (``GET /sim/requests``) can be traced to the replica that sent it.
+
+Outcomes: ``ok``; ``http_error`` (any status but 200); ``sse_error`` (a stream that ended with an SSE error
+event); ``transport_error`` (connection refused/reset, timeout, or a stream that ended without ``[DONE]``);
+``bad_response`` (a 200 whose body is not a completion); ``disconnected`` (a request this client abandoned on
+purpose, see ``spawn(disconnect_after=...)``). Only ``ok`` and ``disconnected`` are successes.
+
+Like an L4 balancer with ``option redispatch``, a request whose TCP connect is refused goes to the next
+replica (nothing was sent yet); the outcome says so in ``redirected``. ``exclude(url)`` takes a replica out of
+the rotation, as an operator drains a server in the balancer before stopping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from tests.support.procs import wait_until
+
+MODEL = "sim-model"
+"""Served by prefill + decode nodes: the proxy runs the disaggregated flow."""
+MIXED_MODEL = "mixed-model"
+"""Served by mixed nodes only."""
+
+OK = "ok"
+HTTP_ERROR = "http_error"
+SSE_ERROR = "sse_error"
+TRANSPORT_ERROR = "transport_error"
+BAD_RESPONSE = "bad_response"
+DISCONNECTED = "disconnected"
+RESULTS = (OK, HTTP_ERROR, SSE_ERROR, TRANSPORT_ERROR, BAD_RESPONSE, DISCONNECTED)
+SUCCESSES = frozenset({OK, DISCONNECTED})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kind:
+    """One shape of request."""
+
+    model: str
+    stream: bool
+    path: str
+
+    @property
+    def name(self) -> str:
+        mode = "disagg" if self.model == MODEL else "mixed"
+        return f"{mode}/{'stream' if self.stream else 'full'}/{self.path.rsplit('/', 1)[-1]}"
+
+
+KINDS = (
+    Kind(model=MODEL, stream=True, path="/v1/chat/completions"),
+    Kind(model=MIXED_MODEL, stream=False, path="/v1/completions"),
+    Kind(model=MODEL, stream=False, path="/v1/completions"),
+    Kind(model=MIXED_MODEL, stream=True, path="/v1/chat/completions"),
+)
+DISAGG_STREAM, MIXED_FULL, DISAGG_FULL, MIXED_STREAM = KINDS
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """What happened to one request. Times are ``time.monotonic()``; ``wall_*`` are ``time.time()``."""
+
+    request_id: str
+    replica: str
+    """Base URL of the replica that answered (after a redirect: the one it was redirected to)."""
+    kind: str
+    stream: bool
+    started: float
+    ended: float
+    wall_started: float
+    wall_ended: float
+    result: str
+    status: int | None
+    node: str | None
+    """``x-sim-node`` of the answer: the node that generated it (the decode node in the disaggregated flow)."""
+    tokens: int
+    """Chunks with generated text received (streams), or completion tokens (full answers)."""
+    detail: str
+    redirected: bool
+
+    @property
+    def succeeded(self) -> bool:
+        return self.result in SUCCESSES
+
+    @property
+    def duration(self) -> float:
+        return self.ended - self.started
+
+    def __str__(self) -> str:
+        return (f"{self.request_id} {self.kind} via {self.replica} node={self.node} {self.result}"
+                f"({self.status}) t={self.started:.3f}+{self.duration:.3f}s {self.detail}")  # fmt: skip
+
+
+def summarize(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """Counts by result, plus total, failed and redirected."""
+    counter = Counter(o.result for o in outcomes)
+    counts = {"total": len(outcomes), **{r: counter.get(r, 0) for r in RESULTS}}
+    counts["failed"] = sum(1 for o in outcomes if not o.succeeded)
+    counts["redirected"] = sum(1 for o in outcomes if o.redirected)
+    return counts
+
+
+def report(scenario: int, title: str, outcomes: Sequence[Outcome], **extra: object) -> str:
+    """Print (and return) one line of counts for the scenario: pytest shows it with -s or -rA."""
+    counts = summarize(outcomes)
+    span = max((o.ended for o in outcomes), default=0.0) - min((o.started for o in outcomes), default=0.0)
+    rate = {"per_s": round(len(outcomes) / span, 1) if span > 0 else 0.0}
+    parts = [f"{k}={v}" for k, v in {**counts, **rate, **extra}.items()]
+    line = f"scenario {scenario} [{title}]: {' '.join(parts)}"
+    print(line)
+    return line
+
+
+def describe(outcomes: Sequence[Outcome], limit: int = 10) -> str:
+    """The first ``limit`` outcomes, one per line, for an assertion message."""
+    lines = [str(o) for o in outcomes[:limit]]
+    if len(outcomes) > limit:
+        lines.append(f"... and {len(outcomes) - limit} more")
+    return "\n".join(lines)
+
+
+def _body(kind: Kind, seq: str, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": kind.model, "max_tokens": max_tokens, "stream": kind.stream,
+                            "ignore_eos": True}  # fmt: skip
+    if kind.path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": f"fault load request {seq}"}]
+    else:
+        body["prompt"] = f"fault load request {seq}"
+    return body
+
+
+class Load:
+    """``clients`` concurrent clients sending ``KINDS`` in turn through ``replicas`` until ``stop()``.
+
+    Bounded: no request starts after ``max_seconds`` or once ``max_requests`` were started.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        *,
+        clients: int = 6,
+        max_tokens: int = 8,
+        stream_max_tokens: int | None = None,
+        pause: float = 0.02,
+        timeout: float = 30.0,
+        max_seconds: float = 150.0,
+        max_requests: int = 50_000,
+        tag: str = "load",
+    ) -> None:
+        self.replicas = list(replicas)
+        self.clients = clients
+        self.max_tokens = max_tokens
+        self.stream_max_tokens = stream_max_tokens or max_tokens
+        self.pause = pause
+        self.timeout = timeout
+        self.max_seconds = max_seconds
+        self.max_requests = max_requests
+        self.tag = tag
+        self._excluded: set[str] = set()
+        self._outcomes: list[Outcome] = []
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._seq = itertools.count()
+        self._started = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    # -- control (from the test's thread) -------------------------------------------------------------------
+
+    def start(self) -> Load:
+        self._thread = threading.Thread(target=self._thread_main, name=f"load-{self.tag}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("the load generator's event loop did not start")
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Start no more requests; wait for those in flight to finish (their outcomes are recorded)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"load clients still running {timeout}s after stop(): a request hangs")
+        if self._error is not None:
+            raise RuntimeError("the load generator crashed") from self._error
+
+    def __enter__(self) -> Load:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def exclude(self, replica: str) -> None:
+        """Send no new request to ``replica`` (an operator draining it in the balancer)."""
+        with self._lock:
+            self._excluded.add(replica)
+
+    def outcomes(self) -> list[Outcome]:
+        with self._lock:
+            return list(self._outcomes)
+
+    def counts(self) -> dict[str, int]:
+        return summarize(self.outcomes())
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes() if not o.succeeded]
+
+    def wait_for(self, count: int, timeout: float = 20.0, *, after: float | None = None) -> None:
+        """Until ``count`` more requests (that started after monotonic time ``after``, default now) finished."""
+        since = time.monotonic() if after is None else after
+        wait_until(lambda: sum(1 for o in self.outcomes() if o.started >= since) >= count, timeout,
+                   f"{count} requests of the load to finish")  # fmt: skip
+
+    def spawn(
+        self, replica: str, kind: Kind, *, max_tokens: int, request_id: str, disconnect_after: int | None = None
+    ) -> concurrent.futures.Future[Outcome]:
+        """One extra request on the load's loop (recorded with the others); ``disconnect_after=N`` closes the
+        connection after N content chunks, as a client that goes away mid-stream."""
+        assert self._loop is not None, "start() first"
+        coro = self._request(replica, kind, max_tokens, request_id, disconnect_after, redirect=False)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    # -- the event loop's thread -----------------------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=50)
+        timeout = httpx.Timeout(self.timeout, connect=5.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            self._client = client
+            self._loop = asyncio.get_running_loop()
+            self._ready.set()
+            deadline = time.monotonic() + self.max_seconds
+            await asyncio.gather(*(self._client_loop(i, deadline) for i in range(self.clients)))
+            # Requests started with spawn() may still run: let them end before the client closes.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if others:
+                await asyncio.wait(others, timeout=self.timeout)
+
+    async def _client_loop(self, index: int, deadline: float) -> None:
+        await asyncio.sleep(self.pause * index / max(1, self.clients))  # spread the first requests
+        while not self._stopping.is_set() and time.monotonic() < deadline:
+            with self._lock:
+                if self._started >= self.max_requests:
+                    return
+                self._started += 1
+                seq = next(self._seq)
+                active = [r for r in self.replicas if r not in self._excluded] or self.replicas
+            kind = KINDS[seq % len(KINDS)]
+            replica = active[(seq // len(KINDS)) % len(active)]
+            tokens = self.stream_max_tokens if kind.stream else self.max_tokens
+            index_of = self.replicas.index(replica)
+            await self._request(replica, kind, tokens, f"{self.tag}-r{index_of}-{seq}", None, redirect=True)
+            await asyncio.sleep(self.pause)
+
+    async def _request(
+        self, replica: str, kind: Kind, max_tokens: int, request_id: str, disconnect_after: int | None,
+        *, redirect: bool,
+    ) -> Outcome:  # fmt: skip
+        started, wall_started = time.monotonic(), time.time()
+        tried = [replica]
+        while True:
+            try:
+                fields = await self._send(replica, kind, max_tokens, request_id, disconnect_after)
+                break
+            except httpx.ConnectError as exc:
+                with self._lock:
+                    others = [r for r in self.replicas if r not in tried and r not in self._excluded]
+                if redirect and others:
+                    replica = others[0]
+                    tried.append(replica)
+                    continue
+                fields = {"result": TRANSPORT_ERROR, "detail": f"{type(exc).__name__}: {exc}"}
+                break
+            except httpx.TransportError as exc:
+                fields = {"result": TRANSPORT_ERROR, "detail": f"{type(exc).__name__}: {exc}"}
+                break
+        outcome = Outcome(
+            request_id=request_id, replica=replica, kind=kind.name, stream=kind.stream, started=started,
+            ended=fields.get("left_at", time.monotonic()), wall_started=wall_started, wall_ended=time.time(),
+            status=fields.get("status"), node=fields.get("node"), tokens=fields.get("tokens", 0),
+            result=fields["result"], detail=fields.get("detail", ""), redirected=len(tried) > 1,
+        )  # fmt: skip
+        with self._lock:
+            self._outcomes.append(outcome)
+        return outcome
+
+    async def _send(
+        self, replica: str, kind: Kind, max_tokens: int, request_id: str, disconnect_after: int | None
+    ) -> dict[str, Any]:
+        assert self._client is not None
+        body = _body(kind, request_id, max_tokens)
+        headers = {"x-request-id": request_id}
+        async with self._client.stream("POST", replica + kind.path, json=body, headers=headers) as response:
+            fields: dict[str, Any] = {"status": response.status_code, "node": response.headers.get("x-sim-node")}
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return {**fields, "result": HTTP_ERROR, "detail": text[:300]}
+            if not kind.stream:
+                return {**fields, **_full_answer(await response.aread())}
+            return {**fields, **await _stream_answer(response, disconnect_after)}
+
+
+def _full_answer(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+        choices = data["choices"]
+        tokens = int(data["usage"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"result": BAD_RESPONSE, "detail": f"{exc!r}: {raw[:200]!r}"}
+    if not choices:
+        return {"result": BAD_RESPONSE, "detail": f"no choices: {raw[:200]!r}"}
+    return {"result": OK, "tokens": tokens}
+
+
+def _has_text(event: Any) -> bool:
+    """A chunk that carries generated text (not a chat stream's opening role chunk, not a usage chunk)."""
+    choices = event.get("choices") if isinstance(event, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+async def _stream_answer(response: httpx.Response, disconnect_after: int | None) -> dict[str, Any]:
+    tokens, done, error = 0, False, None
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            done = True
+            continue
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            return {"result": BAD_RESPONSE, "tokens": tokens, "detail": f"not JSON: {payload[:200]}"}
+        if isinstance(event, dict) and "error" in event:
+            error = event["error"]
+            continue
+        if _has_text(event):
+            tokens += 1
+        if disconnect_after is not None and tokens >= disconnect_after:
+            return {"result": DISCONNECTED, "tokens": tokens, "left_at": time.monotonic(), "detail": "left mid-stream"}
+    if error is not None:
+        return {"result": SSE_ERROR, "tokens": tokens, "detail": json.dumps(error)[:300]}
+    if not done:
+        return {"result": TRANSPORT_ERROR, "tokens": tokens, "detail": "stream ended without [DONE]"}
+    if tokens == 0:
+        return {"result": BAD_RESPONSE, "detail": "stream without a content chunk"}
+    return {"result": OK, "tokens": tokens}

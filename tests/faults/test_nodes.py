@@ -1,0 +1,164 @@
+"""Nodes come, go, restart, crash and hang under a steady load through two replicas; every request counts.
+
+Scenarios 1-4 of issue 3. Each prints its request counts (run pytest with -s or -rA to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tests.faults.fleet import Fleet, FleetNode, holds
+from tests.faults.load import MODEL, OK, SSE_ERROR, Load, describe, report
+from tests.support.blackhole import Blackhole
+from tests.support.etcd_watch import EtcdWatch
+from tests.support.procs import wait_until
+
+WATCH_PREFIX = "/vllm/"
+"""etcdctl watches above the cluster prefix, so its readiness marker is not a (bad) node key."""
+
+
+def _first_request_via(node: FleetNode, replica_index: int) -> float | None:
+    """time.time() when ``node`` received its first load request sent through replica ``replica_index``."""
+    prefix = f"load-r{replica_index}-"
+    times = [r["received_at"] for r in node.sim.requests() if (r.get("request_id") or "").startswith(prefix)]
+    return min(times, default=None)
+
+
+def test_scale_out_and_in_under_load_loses_nothing_and_new_nodes_get_traffic_within_a_second(
+    fleet: Fleet, logs_dir: Path
+) -> None:
+    fleet.start()
+    replicas = range(len(fleet.replicas))
+    with EtcdWatch(fleet.etcd.endpoint, WATCH_PREFIX, logs_dir) as watch, \
+            Load([r.url for r in fleet.replicas], clients=10) as load:  # fmt: skip
+        # 10 clients: ~12 requests/s per model per replica, so "within a second" measures the proxy, not the load.
+        watch.wait_ready(fleet.etcd.etcdctl)
+        load.wait_for(20)
+
+        joining = [fleet.node("decode"), fleet.node("mixed")]
+        fleet.launch(joining)
+        registered = {n.name: watch.wait_for("PUT", n.key, timeout=20).wall for n in joining}
+        wait_until(lambda: all(_first_request_via(n, i) is not None for n in joining for i in replicas), 10,
+                   "traffic to the new nodes through both replicas")  # fmt: skip
+        delays = {f"{n.name}@r{i}": round(_first_request_via(n, i) - registered[n.name], 3)  # type: ignore[operator]
+                  for n in joining for i in replicas}  # fmt: skip
+
+        leaving = [fleet.nodes[2], fleet.nodes[4]]  # decode-1 and mixed-1
+        assert [n.name for n in leaving] == ["decode-1", "mixed-1"]
+        with ThreadPoolExecutor(len(leaving)) as pool:
+            list(pool.map(fleet.deregister, leaving))
+        for node in leaving:
+            node.sim.stop()
+        fleet.wait_converged()
+        load.wait_for(20)
+    outcomes = load.outcomes()
+    report(1, "scale out 2 + scale in 2", outcomes, first_traffic_delay_s=delays)
+    failed = [o for o in outcomes if not o.succeeded]
+    assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
+    assert all(d <= 1.0 for d in delays.values()), f"new nodes got traffic too late: {delays}"
+
+
+def test_rolling_restart_of_every_node_through_its_registrar_loses_no_request(fleet: Fleet, logs_dir: Path) -> None:
+    fleet.start()
+    with Load([r.url for r in fleet.replicas]) as load:
+        load.wait_for(20)
+        for node in list(fleet.nodes):
+            fleet.deregister(node)  # draining -> idle -> lease revoked -> exit 0
+            for replica in fleet.replicas:
+                replica.wait_gone(node.role, node.node_id, timeout=5)
+            node.sim.stop()
+            fleet.launch([node])  # the same port, a new registrar
+            for replica in fleet.replicas:
+                replica.wait_routable(node.role, node.node_id, timeout=20)
+        load.wait_for(20)
+        # Every restarted node is back in rotation (its records start at its restart).
+        wait_until(lambda: all(n.sim.requests() for n in fleet.nodes), 10, "traffic to every restarted node")
+    outcomes = load.outcomes()
+    report(2, f"rolling restart of {len(fleet.nodes)} nodes", outcomes)
+    failed = [o for o in outcomes if not o.succeeded]
+    assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
+
+
+LONG_STREAM = 60
+"""Tokens per streamed load request in scenario 3: ~0.6 s each, so several are mid-stream at the kill."""
+
+
+def test_kill_9_of_a_decode_node_fails_only_its_streams_and_its_lease_then_removes_it(
+    fleet: Fleet, logs_dir: Path
+) -> None:
+    fleet.start()
+    victim = next(n for n in fleet.nodes if n.role == "decode")
+
+    def streams_on_victim() -> int:
+        return sum(1 for r in victim.sim.requests() if r["stream"] and r["state"] == "running")
+
+    with EtcdWatch(fleet.etcd.endpoint, WATCH_PREFIX, logs_dir) as watch, \
+            Load([r.url for r in fleet.replicas], stream_max_tokens=LONG_STREAM) as load:  # fmt: skip
+        watch.wait_ready(fleet.etcd.etcdctl)
+        load.wait_for(20)
+        wait_until(lambda: streams_on_victim() >= 1, 15, "streams running on the victim")
+        killing = time.monotonic()
+        fleet.crash(victim)
+        killed, killed_wall = time.monotonic(), time.time()
+        deleted = watch.wait_for("DELETE", victim.key, timeout=fleet.ttl + 10)
+        for replica in fleet.replicas:
+            replica.wait_gone("decode", victim.node_id, timeout=5)
+        load.wait_for(30, after=killed)
+    outcomes = load.outcomes()
+    failed = [o for o in outcomes if not o.succeeded]
+    after = [o for o in outcomes if o.started >= killed]
+    report(3, "kill -9 of a decode node mid-stream", outcomes, started_after_kill=len(after),
+           lease_expired_after_s=round(deleted.wall - killed_wall, 2))  # fmt: skip
+    assert failed, "no request failed: nothing was streaming from the victim when it died"
+    wrong = [o for o in failed if not (o.result == SSE_ERROR and o.stream and o.node == victim.node_id
+                                       and o.started < killed and o.ended >= killing)]  # fmt: skip
+    assert not wrong, f"failures other than the victim's streams (logs in {logs_dir}):\n{describe(wrong)}"
+    bad_after = [o for o in after if o.result != OK]
+    assert not bad_after, f"requests started after the kill failed:\n{describe(bad_after)}"
+    assert deleted.wall - killed_wall <= fleet.ttl + 3, "the lease outlived its TTL by far"
+
+
+HANG_TIMEOUT = 1.5
+"""--first-byte-timeout for scenario 4: how long a request waits on the hung node before failing over."""
+
+
+def test_node_that_accepts_but_never_answers_is_failed_over_within_the_timeout_and_ejected(
+    fleet: Fleet, logs_dir: Path
+) -> None:
+    flags = ("--first-byte-timeout", str(HANG_TIMEOUT), "--eject-after", "2", "--eject-backoff", "1")
+    fleet.start(prefill=1, decode=2, mixed=2, proxy_flags=flags)
+    hole = Blackhole().start()
+    key = f"/vllm/default/decode/{hole.host_port}"
+    record = {"url": hole.url, "role": "decode", "models": [MODEL], "status": "serving"}
+    lease = fleet.etcd.etcdctl("lease", "grant", "120").split()[1]  # alive all along: only its HTTP is dead
+
+    def ejected_everywhere() -> bool:
+        return all(any(w["id"] == hole.host_port and w["ejected"] for w in r.workers()) for r in fleet.replicas)
+
+    try:
+        with Load([r.url for r in fleet.replicas]) as load:
+            load.wait_for(20)
+            fleet.etcd.etcdctl("put", f"--lease={lease}", key, json.dumps(record))
+            wait_until(ejected_everywhere, 20, "every replica to eject the hung node")
+            ejected = time.monotonic()
+            holds(ejected_everywhere, 3.0, "the hung node ejected on every replica")
+            load.wait_for(20, after=ejected)
+    finally:
+        hole.close()
+    outcomes = load.outcomes()
+    by_id = {o.request_id: o for o in outcomes}
+    sent = hole.seen("POST")
+    late = [s for s in sent if s.at > ejected + 0.5]
+    failed_over = [by_id[s.request_id] for s in sent if s.request_id in by_id]
+    report(4, "node accepts connections, never answers", outcomes, sent_to_hung_node=len(sent),
+           failed_over=len(failed_over), max_failover_s=round(max(o.duration for o in failed_over), 2))  # fmt: skip
+    failed = [o for o in outcomes if not o.succeeded]
+    assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
+    assert {s.request_id.split("-")[1] for s in sent if s.request_id} == {"r0", "r1"}, "both replicas tried it"
+    assert len(failed_over) == len(sent)
+    slow = [o for o in failed_over if not HANG_TIMEOUT - 0.05 <= o.duration <= HANG_TIMEOUT + 1.5]
+    assert not slow, f"fail-over not within the {HANG_TIMEOUT}s timeout:\n{describe(slow)}"
+    assert not late, f"{len(late)} requests reached the hung node after it was ejected everywhere: {late}"

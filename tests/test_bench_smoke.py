@@ -1,0 +1,68 @@
+"""``python -m bench.proxy_overhead --quick --json`` runs end to end: figures present and sane, no request
+failed, every server it started is gone afterwards. No timing assertions: the machine may be busy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = {"plain", "stream", "serial", "disagg-plain", "disagg-stream"}
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.proxy_overhead", "--quick", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_quick_bench_reports_every_scenario_with_all_requests_succeeded(report: dict[str, Any]) -> None:
+    assert report["ok"] is True
+    assert {s["key"] for s in report["scenarios"]} == SCENARIOS
+    for s in report["scenarios"]:
+        for side in ("direct", "proxy"):
+            x = s[side]
+            assert x["failed"] == 0, (s["key"], side, x["errors"])
+            assert x["ok"] == s["requests"] * report["config"]["rounds"], (s["key"], side)
+            assert x["throughput_rps"] > 0
+            assert x["latency_ms"]["p50"] > 0 and x["latency_ms"]["p99"] >= x["latency_ms"]["p50"]
+            if s["stream"]:
+                assert x["events"] == x["ok"] * s["tokens"]
+                assert x["ttft_ms"]["p50"] > 0
+        assert s["throughput_ratio"] > 0
+        assert s["added_ms"]["p50"] is not None and s["added_ms"]["p99"] is not None
+        assert s["proxy_cpu_s_per_1000_requests"] >= 0
+        if s["stream"]:
+            assert s["proxy"]["relayed_chunks"] > 0
+            assert s["proxy_cpu_s_per_1000_chunks"] >= 0
+
+
+def test_quick_bench_headline_has_the_proxy_cpu_figures(report: dict[str, Any]) -> None:
+    headline = report["headline"]
+    assert headline["proxy_cpu_s_per_1000_requests"] > 0
+    assert headline["proxy_cpu_s_per_1000_chunks"] > 0
+    assert report["machine"]["cpus"] >= 1
+
+
+def test_quick_bench_stops_every_server_it_started(report: dict[str, Any]) -> None:
+    pids = report["server_pids"]
+    assert set(pids) == {"node", "proxy", "prefill", "decode", "proxy-disagg"}
+    alive = []
+    for name, pid in pids.items():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(name)
+    assert alive == []
