@@ -127,8 +127,8 @@ class OpenAIRoutes:
     def _relay(self, exchange: Exchange, route: str, mode: str, request_id: str) -> RelayResponse:
         self._limit.acquire()
         return RelayResponse(
-            exchange, route=route, mode=mode, request_id=request_id,
-            idle_timeout=self._settings.timeouts.stream_idle, metrics=self._metrics, on_done=self._limit.release,
+            exchange, route=route, mode=mode, request_id=request_id, metrics=self._metrics,
+            on_done=self._limit.release,
         )  # fmt: skip
 
     async def list_models(self, request: Request) -> Response:

@@ -90,7 +90,7 @@ class Disaggregator:
                     return answer
                 outcome = "broken"
                 try:
-                    raw = await answer.read(_MAX_PREFILL_ANSWER, total)
+                    raw = await answer.read(_MAX_PREFILL_ANSWER)
                     outcome = "ok"
                 finally:
                     await asyncio.shield(answer.aclose(outcome))

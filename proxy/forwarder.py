@@ -91,25 +91,20 @@ class Upstream:
     def status(self) -> int:
         return self.response.status_code
 
-    async def chunks(self, idle_timeout: float) -> AsyncIterator[bytes]:
-        """The body as it arrives; raises ``UpstreamTimeout`` after ``idle_timeout`` s without a byte."""
-        stream = self.response.aiter_raw()
-        while True:
-            try:
-                async with asyncio.timeout(idle_timeout):
-                    chunk = await anext(stream)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise UpstreamTimeout(f"node {self.state.node.node_id} sent nothing for {idle_timeout:g} s") from None
-            except httpx.HTTPError as exc:
-                raise UpstreamFailed(f"node {self.state.node.node_id} broke off the response: {exc!r}") from None
-            yield chunk
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; ``UpstreamTimeout`` after the stream-idle timeout without a byte."""
+        try:
+            async for chunk in self.response.aiter_raw():
+                yield chunk
+        except httpx.TimeoutException:
+            raise UpstreamTimeout(f"node {self.state.node.node_id} stopped sending (stream idle timeout)") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamFailed(f"node {self.state.node.node_id} broke off the response: {exc!r}") from None
 
-    async def read(self, limit: int, timeout: float) -> bytes:
-        """The whole body (prefill responses are small); bounded in size and time."""
+    async def read(self, limit: int) -> bytes:
+        """The whole body (prefill responses are small); bounded in size (the caller bounds the time)."""
         body = bytearray()
-        async for chunk in self.chunks(timeout):
+        async for chunk in self.chunks():
             body += chunk
             if len(body) > limit:
                 raise UpstreamFailed(f"node {self.state.node.node_id} answered more than {limit} bytes")
@@ -138,6 +133,7 @@ class Forwarder:
         ejector: Ejector,
     ) -> None:
         self._ejector = ejector
+        self._idle = settings.timeouts.stream_idle
         self._client = client
         self._pool = pool
         self._policies = policies
@@ -216,6 +212,10 @@ class Forwarder:
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, response.status_code)
             headers = [(k, v) for k, v in client_headers(response) if k.lower() != b"content-length"]
             return ErrorAnswer(status=response.status_code, headers=headers, body=body, node_id=node.node_id)
+        # From here on the read timeout is the gap allowed between body chunks. httpcore reads it from the
+        # request's extensions when the body iteration starts, so one timeout per socket read (which it sets
+        # up anyway) replaces a timer of ours per chunk.
+        response.request.extensions["timeout"] = {**request.extensions.get("timeout", {}), "read": self._idle}
         # The node answered: that ends probation even before the body (a long generation) is through.
         self._ejector.success(state)
         return Upstream(self, state, role, response)

@@ -68,7 +68,6 @@ class RelayResponse(Response):
         route: str,
         mode: str,
         request_id: str,
-        idle_timeout: float,
         metrics: ProxyMetrics,
         on_done: Callable[[], None] | None = None,
     ) -> None:
@@ -77,7 +76,6 @@ class RelayResponse(Response):
         self._route = route
         self._mode = mode
         self._request_id = request_id
-        self._idle_timeout = idle_timeout
         self._metrics = metrics
         self._started = time.monotonic()
 
@@ -132,7 +130,7 @@ class RelayResponse(Response):
             first = True
             chunks = 0
             try:
-                async for chunk in upstream.chunks(self._idle_timeout):
+                async for chunk in upstream.chunks():
                     if first:
                         first = False
                         self._metrics.first_byte_seconds.labels(self._route, self._mode).observe(

@@ -192,3 +192,18 @@ def test_admin_add_of_a_live_node_makes_it_routable(proxy: ProxyProc, module_log
         assert response.headers["x-sim-node"] == late.host_port
         proxy.post("/instances/remove", json={"type": "mixed", "instance": late.host_port},
                    headers={"X-Api-Key": "sekret"})  # fmt: skip
+
+
+def test_a_stream_that_goes_quiet_ends_with_an_sse_error_after_the_idle_timeout(module_logs: Path) -> None:
+    with SimNode(module_logs, "slow-mixed", role="mixed", ttft=0.0, itl=2.0) as slow:
+        replica = ProxyProc(module_logs, "--mixed", slow.host_port, "--stream-idle-timeout", "0.5", name="idle-proxy")
+        try:
+            replica.wait_routable("mixed", slow.host_port)
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}
+            answer = replica.post("/v1/completions", json=body)
+            assert answer.status_code == 200
+            events = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+            assert '"upstream_timeout"' in events[-2] and events[-1] == "data: [DONE]"
+            assert len(events) == 3  # the first token, the error, [DONE]
+        finally:
+            replica.stop()

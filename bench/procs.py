@@ -1,0 +1,147 @@
+"""Child processes for a benchmark run: started on loopback, CPU time read from /proc, always stopped.
+
+Children get ``PR_SET_PDEATHSIG``: if the benchmark itself is killed (a test timeout sends SIGKILL), the kernel
+kills the node and proxy too, so no run leaves a server behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+HOST = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the thread that started it exits (Linux; else a no-op)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process, in seconds (resolution: one clock tick, usually 10 ms)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # The command name (field 2) may hold spaces and parentheses: split after its closing one.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, summed over all CPUs (from /proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values) - idle) / _CLK_TCK, sum(values) / _CLK_TCK
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process, all threads."""
+    return time.process_time()
+
+
+class Server:
+    """``python -m MODULE ARGS`` listening on 127.0.0.1:``port``; output goes to a log file."""
+
+    def __init__(self, name: str, module: str, port: int, args: Sequence[str], log_dir: Path) -> None:
+        self.name = name
+        self.port = port
+        self.log_path = log_dir / f"{name}.log"
+        argv = [sys.executable, "-m", module, "--host", HOST, "--port", str(port), *args]
+        with open(self.log_path, "wb") as log:
+            self.popen = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def cpu(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def wait_ready(self, path: str, timeout: float) -> None:
+        """Until GET ``path`` answers 200; raises with the log's tail if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready on {self.url}{path} after {timeout:g} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` s; always reaps."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+class Fleet(contextlib.AbstractContextManager["Fleet"]):
+    """The servers of one run; leaving the ``with`` block stops every one of them, in reverse order."""
+
+    def __init__(self, keep_logs: Path | None = None) -> None:
+        self._tmp = None if keep_logs else tempfile.TemporaryDirectory(prefix="bench-")
+        self.log_dir = keep_logs or Path(self._tmp.name)  # type: ignore[union-attr]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers: list[Server] = []
+        self._ready_paths: dict[str, str] = {}
+        self._ports: set[int] = set()
+
+    def start(self, name: str, module: str, args: Sequence[str], ready_path: str) -> Server:
+        """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready)."""
+        port = free_port()
+        while port in self._ports:  # a port handed out here may not be bound yet: the kernel can offer it again
+            port = free_port()
+        self._ports.add(port)
+        server = Server(name, module, port, args, self.log_dir)
+        self.servers.append(server)
+        self._ready_paths[server.name] = ready_path
+        return server
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until every server answers 200 on its ready path, all within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        for server in self.servers:
+            server.wait_ready(self._ready_paths[server.name], max(0.0, deadline - time.monotonic()))
+
+    def __exit__(self, *exc: object) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
