@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer
 
 T = TypeVar("T")
@@ -18,6 +19,17 @@ def logs_dir(tmp_path: Path) -> Path:
     path = tmp_path / "logs"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, logs_dir: Path) -> Iterator[EtcdCluster]:
+    """A three-member etcd cluster on loopback."""
+    members = EtcdCluster(tmp_path / "cluster", logs_dir)
+    try:
+        members.start()
+        yield members
+    finally:
+        members.stop()
 
 
 @pytest.fixture

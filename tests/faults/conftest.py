@@ -29,16 +29,6 @@ def fleet(etcd: EtcdServer, logs_dir: Path) -> Iterator[Fleet]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, logs_dir: Path) -> Iterator[EtcdCluster]:
-    members = EtcdCluster(tmp_path / "cluster", logs_dir)
-    try:
-        members.start()
-        yield members
-    finally:
-        members.stop()
-
-
-@pytest.fixture
 def cluster_fleet(cluster: EtcdCluster, logs_dir: Path) -> Iterator[Fleet]:
     """A fleet whose registrars and replicas know all three members; a longer TTL rides out the election."""
     started = Fleet(Etcd(",".join(cluster.endpoints)), logs_dir, ttl=5)

@@ -6,8 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -211,16 +210,6 @@ async def test_silently_stopped_etcd_is_detected_and_the_watch_reconnects(etcd: 
         await writer.put(DECODE, b"")
         await eventually(lambda: DECODE in run.pool.nodes, 5.0, "event after the partition")
         assert run.state.resyncs == 0
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, logs_dir: Path) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path / "cluster", logs_dir)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 async def test_watch_fails_over_to_another_member(cluster: EtcdCluster) -> None:

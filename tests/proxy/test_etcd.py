@@ -260,16 +260,6 @@ async def test_watch_raises_unavailable_when_etcd_dies(etcd: EtcdServer, own_cli
 # Several endpoints
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, logs_dir: Path) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path / "cluster", logs_dir)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 async def test_unary_calls_and_keep_alive_fail_over_when_a_member_dies(cluster: EtcdCluster) -> None:
     async with EtcdClient(EtcdSettings(endpoints=cluster.endpoints, timeout=2.0)) as client:
         assert client.current_endpoint == cluster.endpoints[0]
