@@ -25,13 +25,13 @@ test: venv etcd
 
 lint: venv
 	$(BIN)/ruff check proxy registrar sim tests $(wildcard bench)
-	$(BIN)/mypy proxy registrar sim
+	$(BIN)/mypy proxy registrar sim $(wildcard bench)
 
 # Regenerate proxy/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).
 protos:
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=proxy/pb --pyi_out=proxy/pb protos/etcd_rpc.proto protos/node_record.proto
 
-bench: venv etcd
+bench: venv
 	$(BIN)/python -m bench.proxy_overhead
 
 clean:

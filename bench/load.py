@@ -232,7 +232,8 @@ def split(phase: Phase, parts: int) -> list[Phase]:
         return shares
 
     requests, warmup = proportional(phase.requests), proportional(phase.warmup)
-    return [replace(phase, concurrency=c, requests=r, warmup=w) for c, r, w in zip(concurrency, requests, warmup)]
+    shares = zip(concurrency, requests, warmup, strict=True)
+    return [replace(phase, concurrency=c, requests=r, warmup=w) for c, r, w in shares]
 
 
 _barrier: Any = None

@@ -62,7 +62,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--clients", choices=CLIENT_MODES, default="per-worker",
         help="one httpx client per worker (default) or one shared by all (costs more generator CPU)")  # fmt: skip
     add("--itl", type=float, default=0.0, help="the node's seconds between tokens (default 0)")
-    add("--phase-timeout", type=float, default=120.0, help="seconds per phase before the rest count as failed")
+    add("--phase-timeout", type=float, default=120.0, help="seconds per phase before the unfinished requests count "
+        "as failed (default 120)")  # fmt: skip
     add("--quick", action="store_true", help="small numbers for a smoke test (" +
         ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")  # fmt: skip
     add("--json", action="store_true", help="print the figures as JSON instead of a table")

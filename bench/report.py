@@ -67,6 +67,7 @@ def _per_1000(cpu: float, count: int) -> float | None:
 def _side(t: Totals) -> dict[str, Any]:
     r = t.result
     wall = t.wall or 1e-9
+    cpu = {"generator": r.generator_cpu, "nodes": t.node_cpu, "proxy": t.proxy_cpu, "others": t.other_cpu}
     return {
         "ok": r.ok,
         "failed": r.failed,
@@ -78,7 +79,8 @@ def _side(t: Totals) -> dict[str, Any]:
         "ttft_ms": percentiles_ms(r.ttfts) if r.ttfts else None,
         "events": r.events,
         "relayed_chunks": t.relayed_chunks or None,
-        "cpu_s": {"generator": r.generator_cpu, "nodes": t.node_cpu, "proxy": t.proxy_cpu, "others": t.other_cpu},
+        "cpu_s": cpu,
+        "cores": {name: seconds / wall for name, seconds in cpu.items()},
         "generator_cores": r.generator_cpu / wall,
         "machine_busy": t.machine_busy / t.machine_total if t.machine_total else None,
         "node_cpu_s_per_1000_requests": _per_1000(t.node_cpu, r.ok),
@@ -119,8 +121,8 @@ def all_succeeded(scenarios: Sequence[Mapping[str, Any]]) -> bool:
 def headline(scenarios: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The proxy's CPU cost per request and per streamed chunk, from the mixed scenarios.
 
-    ``per_1000_chunks_marginal`` subtracts what the streams' requests cost at the non-streamed rate: an estimate
-    of the per-chunk relay cost alone.
+    ``proxy_cpu_s_per_1000_chunks_marginal`` subtracts what the streams' requests cost at the non-streamed rate:
+    an estimate of the per-chunk relay cost alone.
     """
     by_key = {s["key"]: s for s in scenarios}
     plain, stream = by_key.get("plain"), by_key.get("stream")
