@@ -33,8 +33,12 @@ from proxy.pool import Pool
 from proxy.prober import ModelProber
 from proxy.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from proxy.settings import ProxySettings
+from proxy.upstream import NodeClients
 
 log = logging.getLogger(__name__)
+
+CLIENT_PRUNE_INTERVAL = 30.0
+"""Seconds between closing the connection pools of nodes that left."""
 
 
 def static_node(role: Role, address: str, models: tuple[str, ...]) -> Node:
@@ -84,25 +88,36 @@ def build_app(settings: ProxySettings) -> Starlette:
                 raise ValueError(f"--{role.value} {address}: {exc}") from None
 
     t = settings.timeouts
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=t.connect, read=None, write=60.0, pool=t.first_byte),
-        limits=httpx.Limits(max_connections=settings.max_connections,
-                            max_keepalive_connections=settings.max_connections, keepalive_expiry=60.0),
-        follow_redirects=False,
-        trust_env=False,  # nodes sit next to us: an HTTP(S)_PROXY meant for the outside must not apply
-    )  # fmt: skip
+
+    def make_client() -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=t.connect, read=None, write=60.0, pool=t.first_byte),
+            limits=httpx.Limits(max_connections=settings.max_connections,
+                                max_keepalive_connections=settings.max_connections, keepalive_expiry=60.0),
+            follow_redirects=False,
+            trust_env=False,  # nodes sit next to us: an HTTP(S)_PROXY meant for the outside must not apply
+        )  # fmt: skip
+
+    client = make_client()  # probes and the admin API: a few requests per node and minute
+    node_clients = NodeClients(make_client)
     overrides = dict(settings.role_policies)
     policies = {role: make_policy(overrides.get(role.value, settings.policy)) for role in Role}
     ejector = Ejector(pool, client, settings.ejection)
-    forwarder = Forwarder(client, pool, policies, settings, metrics, ejector)
+    forwarder = Forwarder(node_clients, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
     backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async def prune_clients() -> None:
+            while True:
+                await asyncio.sleep(CLIENT_PRUNE_INTERVAL)
+                await node_clients.prune(s.node.url for s in pool.all())
+
         tasks = [asyncio.create_task(prober.run(), name="model-prober"),
-                 asyncio.create_task(ejector.run(), name="ejection-prober")]  # fmt: skip
+                 asyncio.create_task(ejector.run(), name="ejection-prober"),
+                 asyncio.create_task(prune_clients(), name="client-pruner")]  # fmt: skip
         if settings.scrape_load > 0:
             watcher = LoadWatcher(pool, client, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
@@ -118,6 +133,7 @@ def build_app(settings: ProxySettings) -> Starlette:
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
+            await node_clients.aclose()
 
     routes = [
         *InfoRoutes(pool=pool, discovery=discovery_state, registry=registry, lifecycle=lifecycle).routes(),

@@ -21,6 +21,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pool import NodeState, Pool
 from proxy.records import Role
 from proxy.settings import ProxySettings
+from proxy.upstream import NodeClients
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class Forwarder:
 
     def __init__(
         self,
-        client: httpx.AsyncClient,
+        clients: NodeClients,
         pool: Pool,
         policies: Mapping[Role, Policy],
         settings: ProxySettings,
@@ -134,7 +135,7 @@ class Forwarder:
     ) -> None:
         self._ejector = ejector
         self._idle = settings.timeouts.stream_idle
-        self._client = client
+        self._clients = clients
         self._pool = pool
         self._policies = policies
         self._settings = settings
@@ -180,11 +181,12 @@ class Forwarder:
 
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
-        request = self._client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
+        client = self._clients.acquire(node.url)
+        request = client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
         state.in_flight += 1
         try:
             async with asyncio.timeout(leg.timeout):
-                response = await self._client.send(request, stream=True)
+                response = await client.send(request, stream=True)
         except TimeoutError:
             self.release(state, role, "timeout", failed=True)
             log.warning("upstream timeout node=%s role=%s after=%gs", node.node_id, role.value, leg.timeout)
@@ -221,6 +223,7 @@ class Forwarder:
         return Upstream(self, state, role, response)
 
     def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
+        self._clients.release(state.node.url)
         state.in_flight -= 1
         state.served += 1
         self.record(state, role, outcome, failed=failed)
