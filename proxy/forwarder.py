@@ -122,7 +122,7 @@ class Upstream:
 
 
 class Forwarder:
-    """Opens upstream responses over one shared connection pool."""
+    """Opens upstream responses, one connection pool per node (upstream.py)."""
 
     def __init__(
         self,

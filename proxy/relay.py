@@ -144,8 +144,9 @@ class RelayResponse(Response):
                 log.warning("stream broken request_id=%s error=%s", self._request_id, exc.message)
                 if streaming:
                     event = b"data: " + json.dumps(exc.body()).encode() + b"\n\ndata: [DONE]\n\n"
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
+                # Otherwise leave the response unfinished: the server then drops the connection, so the client
+                # sees a truncated answer as an error instead of a complete-looking, cut-off JSON body.
                 return
             self._metrics.stream_chunks.inc(chunks)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
