@@ -21,7 +21,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.pool import NodeState, Pool
 from proxy.records import Role
 from proxy.settings import ProxySettings
-from proxy.upstream import NodeClients
+from proxy.upstream import NodeClients, Shard
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ def client_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
 class Upstream:
     """An open response from a node: status and headers are in, the body is not read yet."""
 
-    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: httpx.Response):
+    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: httpx.Response, shard: Shard):
         self._forwarder = forwarder
+        self._shard = shard
         self.state = state
         self.role = role
         self.response = response
@@ -117,7 +118,7 @@ class Upstream:
         if self._closed:
             return
         self._closed = True
-        self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken")
+        self._forwarder.release(self.state, self._shard, self.role, outcome, failed=outcome == "broken")
         await self.response.aclose()
 
 
@@ -181,26 +182,26 @@ class Forwarder:
 
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
-        client = self._clients.acquire(node.url)
-        request = client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
+        shard = self._clients.acquire(node.url)
+        request = shard.client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
         state.in_flight += 1
         try:
             async with asyncio.timeout(leg.timeout):
-                response = await client.send(request, stream=True)
+                response = await shard.client.send(request, stream=True)
         except TimeoutError:
-            self.release(state, role, "timeout", failed=True)
+            self.release(state, shard, role, "timeout", failed=True)
             log.warning("upstream timeout node=%s role=%s after=%gs", node.node_id, role.value, leg.timeout)
             return UpstreamTimeout(f"node {node.node_id} did not answer within {leg.timeout:g} s")
         except httpx.TimeoutException as exc:
-            self.release(state, role, "timeout", failed=True)
+            self.release(state, shard, role, "timeout", failed=True)
             log.warning("upstream timeout node=%s role=%s error=%r", node.node_id, role.value, exc)
             return UpstreamTimeout(f"node {node.node_id} timed out: {type(exc).__name__}")
         except httpx.HTTPError as exc:
-            self.release(state, role, "connect_error", failed=True)
+            self.release(state, shard, role, "connect_error", failed=True)
             log.warning("upstream failed node=%s role=%s error=%r", node.node_id, role.value, exc)
             return UpstreamFailed(f"node {node.node_id} failed: {type(exc).__name__}")
         except BaseException:
-            self.release(state, role, "cancelled", failed=False)
+            self.release(state, shard, role, "cancelled", failed=False)
             raise
         if response.status_code >= 500 or response.status_code == 429:
             try:
@@ -210,7 +211,7 @@ class Forwarder:
             finally:
                 await response.aclose()
             busy = response.status_code in _BUSY
-            self.release(state, role, f"http_{response.status_code}", failed=not busy)
+            self.release(state, shard, role, f"http_{response.status_code}", failed=not busy)
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, response.status_code)
             headers = [(k, v) for k, v in client_headers(response) if k.lower() != b"content-length"]
             return ErrorAnswer(status=response.status_code, headers=headers, body=body, node_id=node.node_id)
@@ -220,10 +221,10 @@ class Forwarder:
         response.request.extensions["timeout"] = {**request.extensions.get("timeout", {}), "read": self._idle}
         # The node answered: that ends probation even before the body (a long generation) is through.
         self._ejector.success(state)
-        return Upstream(self, state, role, response)
+        return Upstream(self, state, role, response, shard)
 
-    def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
-        self._clients.release(state.node.url)
+    def release(self, state: NodeState, shard: Shard, role: Role, outcome: str, *, failed: bool) -> None:
+        self._clients.release(shard)
         state.in_flight -= 1
         state.served += 1
         self.record(state, role, outcome, failed=failed)
