@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,6 +11,7 @@ import pytest
 
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer
+from tests.support.secure_etcd import TlsEtcd, make_certs
 
 T = TypeVar("T")
 
@@ -30,6 +32,19 @@ def cluster(tmp_path: Path, logs_dir: Path) -> Iterator[EtcdCluster]:
         yield members
     finally:
         members.stop()
+
+
+@pytest.fixture
+def tls_etcd(tmp_path: Path, logs_dir: Path) -> Iterator[TlsEtcd]:
+    """etcd serving https only and requiring a client certificate; ``.certs`` has the CA and client files."""
+    assert shutil.which("openssl"), "openssl makes the test certificates (.ci/run installs it)"
+    server = TlsEtcd(tmp_path / "tls-data", logs_dir, name="tls-etcd")
+    server.certs = make_certs(tmp_path)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ authentication: they work, and a wrong CA, a wrong password or a missing permiss
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,18 +18,6 @@ from tests.support.secure_etcd import AuthEtcd, TlsEtcd, make_certs
 from tests.support.sim_node import SimNode
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture
-def tls_etcd(tmp_path: Path, logs_dir: Path) -> Iterator[TlsEtcd]:
-    assert shutil.which("openssl"), "openssl makes the test certificates (.ci/run installs it)"
-    server = TlsEtcd(tmp_path / "tls-data", logs_dir, name="tls-etcd")
-    server.certs = make_certs(tmp_path)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from tests.support.aio import eventually, holds
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer
 from tests.support.procs import HOST, free_port
-from tests.support.secure_etcd import AuthEtcd, TlsEtcd, make_certs
+from tests.support.secure_etcd import AuthEtcd, TlsEtcd
 
 
 @pytest.fixture(scope="module")
@@ -340,19 +339,6 @@ async def test_wrong_password_or_no_credentials_raise_auth_error(auth_etcd: Auth
     async with EtcdClient(EtcdSettings(endpoints=(auth_etcd.endpoint,))) as anonymous:
         with pytest.raises(EtcdAuthError):
             await anonymous.put("/a/k", "v")
-
-
-@pytest.fixture
-def tls_etcd(tmp_path: Path, logs_dir: Path) -> Iterator[TlsEtcd]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    server = TlsEtcd(tmp_path / "tls-data", logs_dir, name="tls")
-    server.certs = make_certs(tmp_path)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_tls_with_client_certificate(tls_etcd: TlsEtcd) -> None:
