@@ -26,6 +26,12 @@ from proxy.records import Role
 from proxy.relay import Exchange, RelayResponse
 from proxy.settings import ProxySettings
 
+KNOWN_ROUTES = frozenset(
+    ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/responses",
+     "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/pooling", "/v1/classify", "/tokenize", "/detokenize"]
+)  # fmt: skip
+"""Routes named as such in metrics; any other forwarded path counts as /v1/other."""
+
 
 class OpenAIRoutes:
     """Endpoints of the OpenAI API; each returns a RelayResponse that does the I/O."""
@@ -60,18 +66,23 @@ class OpenAIRoutes:
             Route("/v1/{rest:path}", self.passthrough, methods=["POST"]),
         ]
 
-    def _unknown_model(self, model: str) -> ModelNotFound:
-        known = self._pool.models()
-        listed = ", ".join(known) if known else "none"
-        return ModelNotFound(f"The model `{model}` does not exist. Known models: {listed}.", param="model")
-
-    def _no_node(self, model: str) -> NoNodeAvailable:
-        return NoNodeAvailable(f"no node is available for model {model!r} right now; retry shortly")
-
-    def _known(self, model: str) -> bool:
-        return any(model in s.models for s in self._pool.all())
+    def _check_routable(self, model: str, roles: tuple[Role, ...]) -> None:
+        """503 when the model is served but nothing of ``roles`` is routable now; 404 when nobody serves it."""
+        if any(self._pool.candidates(r, model) for r in roles):
+            return
+        if any(model in s.models for s in self._pool.all()):
+            raise NoNodeAvailable(f"no node is available for model {model!r} right now; retry shortly")
+        known = ", ".join(self._pool.models()) or "none"
+        raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
 
     async def generate(self, request: Request) -> Response:
+        return await self._handle(request, disaggregate=True)
+
+    async def passthrough(self, request: Request) -> Response:
+        return await self._handle(request, disaggregate=False)
+
+    async def _handle(self, request: Request, *, disaggregate: bool) -> Response:
+        """Parse, pick the flow (disaggregated, else one leg to mixed then decode nodes) and hand over."""
         self._keys.check(request)
         raw = await read_body(request, self._limits)
         body = parse_object(raw)
@@ -80,44 +91,24 @@ class OpenAIRoutes:
         request_id = request_id_of(request)
         headers = upstream_headers(request.headers, request_id, self._settings.backend_api_key)
         key = self._affinity_key(request, body)
+        route = path if path in KNOWN_ROUTES else "/v1/other"  # bounded metric labels
         pool = self._pool
-        if pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
-            mode = "disagg"
+        if disaggregate and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
 
-            async def exchange() -> Upstream | ErrorAnswer:
+            async def disagg() -> Upstream | ErrorAnswer:
                 return await self._disagg.run(path=path, model=model, body=body, headers=headers, affinity=key)
 
-        else:
-            roles = (Role.MIXED, Role.DECODE)
-            if not any(pool.candidates(r, model) for r in roles):
-                raise self._no_node(model) if self._known(model) else self._unknown_model(model)
-            mode = "mixed"
-            leg = Leg(roles=roles, model=model, path=path, body=raw, headers=headers,
-                      timeout=self._settings.timeouts.first_byte, affinity=key)  # fmt: skip
-
-            async def exchange() -> Upstream | ErrorAnswer:
-                return await self._forwarder.open(leg)
-
-        return self._relay(exchange, path, mode, request_id)
-
-    async def passthrough(self, request: Request) -> Response:
-        self._keys.check(request)
-        raw = await read_body(request, self._limits)
-        body = parse_object(raw)
-        model = check_fields(body, request.url.path)
-        request_id = request_id_of(request)
+            return self._relay(disagg, route, "disagg", request_id)
         roles = (Role.MIXED, Role.DECODE)
-        if not any(self._pool.candidates(r, model) for r in roles):
-            raise self._no_node(model) if self._known(model) else self._unknown_model(model)
-        leg = Leg(roles=roles, model=model, path=request.url.path, body=raw,
-                  headers=upstream_headers(request.headers, request_id, self._settings.backend_api_key),
-                  timeout=self._settings.timeouts.first_byte, affinity=self._affinity_key(request, body))  # fmt: skip
+        self._check_routable(model, roles)
+        # Not disaggregated: the body goes to the node byte for byte.
+        leg = Leg(roles=roles, model=model, path=path, body=raw, headers=headers,
+                  timeout=self._settings.timeouts.first_byte, affinity=key)  # fmt: skip
 
-        async def exchange() -> Upstream | ErrorAnswer:
+        async def one_leg() -> Upstream | ErrorAnswer:
             return await self._forwarder.open(leg)
 
-        route = request.url.path if request.url.path.count("/") <= 3 else "/v1/other"
-        return self._relay(exchange, route, "mixed", request_id)
+        return self._relay(one_leg, route, "mixed", request_id)
 
     def _affinity_key(self, request: Request, body: dict[str, Any]) -> str | None:
         if not self._affinity:

@@ -183,9 +183,9 @@ class Forwarder:
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
         shard = self._clients.acquire(node.url)
-        request = shard.client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
         state.in_flight += 1
         try:
+            request = shard.client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
             async with asyncio.timeout(leg.timeout):
                 response = await shard.client.send(request, stream=True)
         except TimeoutError:
