@@ -12,10 +12,11 @@ $(BIN)/python:
 venv: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 
-# etcd from Debian's packages when it is not on PATH (needs root or sudo).
+# etcd (and openssl, which makes the TLS tests' certificates) from Debian's packages when missing (root or sudo).
 etcd:
-	@command -v etcd >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+	@{ command -v etcd && command -v etcdctl && command -v openssl; } >/dev/null || \
+	  { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq etcd-server etcd-client openssl >/dev/null; }
 
 demo: venv etcd
 	$(BIN)/python -m tests.demo
