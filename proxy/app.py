@@ -26,6 +26,7 @@ from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
 from proxy.guard import ConcurrencyLimit, HeaderLimit
+from proxy.httpclient import stateless_client
 from proxy.info import InfoRoutes, Lifecycle
 from proxy.loadwatch import LoadWatcher
 from proxy.metrics import PoolCollector, ProxyMetrics
@@ -90,12 +91,11 @@ def build_app(settings: ProxySettings) -> Starlette:
     t = settings.timeouts
 
     def make_client() -> httpx.AsyncClient:
-        return httpx.AsyncClient(
+        return stateless_client(
             timeout=httpx.Timeout(connect=t.connect, read=None, write=60.0, pool=t.first_byte),
             limits=httpx.Limits(max_connections=settings.max_connections,
                                 max_keepalive_connections=settings.max_connections, keepalive_expiry=60.0),
             follow_redirects=False,
-            trust_env=False,  # nodes sit next to us: an HTTP(S)_PROXY meant for the outside must not apply
         )  # fmt: skip
 
     client = make_client()  # probes and the admin API: a few requests per node and minute

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from proxy.httpclient import stateless_client
 from proxy.loadwatch import RUNNING, WAITING, parse_vllm_load
 from registrar.errors import NodeUnreachable, ProbeError
 
@@ -49,7 +50,7 @@ class NodeProbe:
     def __init__(self, base_url: str, *, timeout: float) -> None:
         self._base_url = base_url
         # trust_env=False: the node sits next to us; an HTTP(S)_PROXY meant for the outside must not apply.
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, trust_env=False)
+        self._http = stateless_client(base_url=base_url, timeout=timeout)
 
     async def __aenter__(self) -> NodeProbe:
         return self

@@ -43,6 +43,7 @@ def _record(request: Request) -> Record:
         request_id=request.headers.get("x-request-id"),
         path=request.url.path,
         authorization=request.headers.get("authorization"),
+        cookie=request.headers.get("cookie"),
     )
     _engine(request).receive(record)
     return record
@@ -125,6 +126,8 @@ async def _generate(request: Request, kind: Kind) -> Response:
     job = Job(record=record, num_tokens=num_tokens, finish_reason=finish, kv_loaded=leg.pulled_from is not None)
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
+    if engine.knobs.set_cookie:
+        headers["set-cookie"] = engine.knobs.set_cookie
     if req.stream:
         return SSEResponse(lambda start: _events(engine, job, req, wire, start), engine, record, headers)
 

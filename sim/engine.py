@@ -36,6 +36,8 @@ class Knobs:
     fail_status: int
     fail_after_tokens: int
     hang: bool
+    set_cookie: str
+    """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
 
     @classmethod
     def from_settings(cls, settings: SimSettings) -> Knobs:
@@ -48,7 +50,9 @@ class Knobs:
             current = getattr(self, name, None) if name in {f.name for f in fields(self)} else None
             if current is None:
                 raise ValueError(f"unknown knob {name!r}")
-            if isinstance(current, bool):
+            if isinstance(current, str):
+                ok = isinstance(value, str)
+            elif isinstance(current, bool):
                 ok = isinstance(value, bool)
             elif isinstance(current, int):
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -121,6 +125,8 @@ class Record:
     path: str
     authorization: str | None
     """The Authorization header as received (tests check what the proxy forwarded)."""
+    cookie: str | None = None
+    """The Cookie header as received (tests check that one client's cookies never reach another's request)."""
     received_at: float = field(default_factory=time.time)
     model: str | None = None
     stream: bool = False

@@ -51,6 +51,8 @@ class SimSettings:
     """When > 0, every generation fails after this many tokens (streams end with an error event)."""
     hang: bool = False
     """Accept and schedule inference requests but never answer them (until hang is switched off)."""
+    set_cookie: str = ""
+    """A ``Set-Cookie`` value sent with every completion response (empty: none), as a cookie-setting gateway."""
     startup_delay: float = 0.0
     """Seconds during which /health answers 503, like a vLLM server still loading its model."""
     unhealthy_file: Path | None = None

@@ -118,7 +118,8 @@ class SimNode:
         return str(self.info()["engine_id"])
 
     def configure(self, **changes: Any) -> dict[str, Any]:
-        """POST /sim/config: ttft, itl, output_len, max_num_seqs, fail_rate, fail_status, fail_after_tokens, hang."""
+        """POST /sim/config: ttft, itl, output_len, max_num_seqs, fail_rate, fail_status, fail_after_tokens, hang,
+        set_cookie."""
         response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
@@ -131,7 +132,7 @@ class SimNode:
 
     def requests(self) -> list[dict[str, Any]]:
         """Recent requests, oldest first: id, request_id, path, model, stream, state, status, cancelled,
-        prompt_tokens, completion_tokens, max_tokens, kv_transfer_params, prefill, authorization."""
+        prompt_tokens, completion_tokens, max_tokens, kv_transfer_params, prefill, authorization, cookie."""
         return list(self.snapshot()["requests"])
 
     def clear_requests(self) -> None:
