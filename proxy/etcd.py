@@ -194,6 +194,13 @@ def _kv(kv: pb.KeyValue) -> KeyValue:
     )
 
 
+def _transient(exc: grpc.aio.AioRpcError) -> bool:
+    """Worth a retry on another member: unreachable, too slow, or gRPC's own transport hiccup (seen as INTERNAL
+    "Internal error from Core" on a stream whose member just died; etcd's own errors carry etcd's words)."""
+    code = exc.code()
+    return code in _TRANSIENT or (code == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or ""))
+
+
 def _bad_token(exc: grpc.aio.AioRpcError) -> bool:
     return "invalid auth token" in (exc.details() or "")
 
@@ -201,7 +208,7 @@ def _bad_token(exc: grpc.aio.AioRpcError) -> bool:
 def _translate(exc: grpc.aio.AioRpcError, endpoint: str) -> EtcdError:
     code = exc.code()
     message = f"etcd {endpoint}: {code.name} {exc.details() or ''}".strip()
-    if code in _TRANSIENT or code == grpc.StatusCode.CANCELLED:
+    if _transient(exc) or code == grpc.StatusCode.CANCELLED:
         return EtcdUnavailable(message, code.name)
     details = exc.details() or ""
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or any(
@@ -330,7 +337,7 @@ class EtcdClient:
                     log.info("etcd auth token rejected; authenticating again endpoint=%s", endpoint)
                     self._token, reauthenticated = None, True
                     continue
-                if exc.code() not in _TRANSIENT:
+                if not _transient(exc):
                     raise _translate(exc, endpoint) from None
                 failures += 1
                 log.warning("etcd call failed endpoint=%s method=%s code=%s", endpoint, method, exc.code())
@@ -445,7 +452,7 @@ class EtcdClient:
                     await asyncio.sleep(interval)
             except (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError, EtcdUnavailable) as exc:
                 if isinstance(exc, grpc.aio.AioRpcError):
-                    if exc.code() not in _TRANSIENT and not _bad_token(exc):
+                    if not _transient(exc) and not _bad_token(exc):
                         raise _translate(exc, endpoint) from None
                     self._token = None if _bad_token(exc) else self._token
                 if time.monotonic() >= expires:
