@@ -42,7 +42,7 @@ def check_admin_key(request: Request, admin_key: str | None) -> None:
     """403 when the admin API is disabled, 401 when the key is missing or wrong (compared in constant time)."""
     if not admin_key:
         raise Forbidden("the admin API is disabled: set ADMIN_API_KEY (or --admin-key) to enable it")
-    given = request.headers.get("x-api-key") or bearer_token(request)
+    given = request.headers.get("x-api-key") or bearer_token(request.headers.get("authorization"))
     if given is None:
         raise Unauthorized("admin key required in X-Api-Key or Authorization: Bearer")
     if not hmac.compare_digest(given.encode(), admin_key.encode()):
@@ -53,7 +53,9 @@ ADMIN_BODY = BodyLimits(max_bytes=64 * 1024, timeout=10.0)
 
 
 async def parse_admin_body(request: Request) -> AdminRequest:
-    body = parse_object(await read_body(request, ADMIN_BODY))
+    length = request.headers.get("content-length", "")
+    declared = int(length) if length.isdigit() else None
+    body = parse_object(await read_body(request.receive, declared, ADMIN_BODY))
     kind, instance = body.get("type"), body.get("instance")
     if kind not in {r.value for r in Role}:
         raise BadRequest("Invalid instance type: 'type' must be prefill, decode or mixed.", param="type")

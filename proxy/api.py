@@ -1,29 +1,29 @@
-"""The OpenAI-compatible routes: parse just enough of the body to route by model, then hand over.
+"""The OpenAI-compatible routes, as raw ASGI: parse just enough of the body to route by model, then hand over.
+
+``POST /v1/*``, ``/tokenize`` and ``/detokenize`` are handled here with no framework objects per request;
+everything else (``GET /v1/models`` and the operator routes) goes on to the starlette app.
 
 Completions and chat completions use the disaggregated flow when the model has prefill and decode nodes,
-else mixed nodes (then decode nodes on their own). Other /v1/* POST routes, /tokenize and /detokenize go
-to a node serving the model (mixed, then decode). The body of a non-disaggregated request is forwarded
-byte for byte, so every vLLM feature keeps working.
+else mixed nodes (then decode nodes on their own). Other routes go to a node serving the model (mixed, then
+decode). The body of a non-disaggregated request is forwarded byte for byte, so every vLLM feature keeps
+working.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.disagg import Disaggregator
-from proxy.errors import ModelNotFound, NoNodeAvailable
-from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, upstream_headers
+from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
+from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
 from proxy.guard import ClientKeys, ConcurrencyLimit
 from proxy.metrics import ProxyMetrics
-from proxy.parsing import BodyLimits, affinity_key, check_fields, parse_object, read_body, request_id_of
+from proxy.parsing import BodyLimits, affinity_key, check_fields, parse_object, read_body, read_headers
 from proxy.pool import Pool
 from proxy.records import Role
-from proxy.relay import Exchange, RelayResponse
+from proxy.relay import Relay, send_error
 from proxy.settings import ProxySettings
 
 KNOWN_ROUTES = frozenset(
@@ -31,10 +31,12 @@ KNOWN_ROUTES = frozenset(
      "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/pooling", "/v1/classify", "/tokenize", "/detokenize"]
 )  # fmt: skip
 """Routes named as such in metrics; any other forwarded path counts as /v1/other."""
+GENERATE_ROUTES = frozenset(["/v1/completions", "/v1/chat/completions"])
+_MIXED_ROLES = (Role.MIXED, Role.DECODE)
 
 
 class OpenAIRoutes:
-    """Endpoints of the OpenAI API; each returns a RelayResponse that does the I/O."""
+    """ASGI app: the OpenAI POST routes, and ``fallback`` for every other request."""
 
     def __init__(
         self,
@@ -43,28 +45,34 @@ class OpenAIRoutes:
         forwarder: Forwarder,
         metrics: ProxyMetrics,
         limit: ConcurrencyLimit,
+        fallback: ASGIApp,
         *,
+        keys: ClientKeys,
         affinity: bool = False,
     ) -> None:
         self._affinity = affinity
         self._settings = settings
-        self._keys = ClientKeys(settings.api_keys)
+        self._keys = keys
         self._limit = limit
         self._pool = pool
         self._forwarder = forwarder
         self._disagg = Disaggregator(forwarder, settings.timeouts)
         self._metrics = metrics
+        self._relay = Relay(metrics)
+        self._fallback = fallback
         self._limits = BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+        self._session_header = settings.affinity_header.encode("latin-1")
+        key = settings.backend_api_key
+        self._backend_auth = f"Bearer {key}".encode("latin-1") if key else None
+        self._first_byte_timeout = settings.timeouts.first_byte
 
-    def routes(self) -> list[Route]:
-        return [
-            Route("/v1/completions", self.generate, methods=["POST"]),
-            Route("/v1/chat/completions", self.generate, methods=["POST"]),
-            Route("/v1/models", self.list_models, methods=["GET"]),
-            Route("/tokenize", self.passthrough, methods=["POST"]),
-            Route("/detokenize", self.passthrough, methods=["POST"]),
-            Route("/v1/{rest:path}", self.passthrough, methods=["POST"]),
-        ]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path: str = scope["path"]
+            if path.startswith("/v1/") or path == "/tokenize" or path == "/detokenize":
+                await self._handle(scope, receive, send, path)
+                return
+        await self._fallback(scope, receive, send)
 
     def _check_routable(self, model: str, roles: tuple[Role, ...]) -> None:
         """503 when the model is served but nothing of ``roles`` is routable now; 404 when nobody serves it."""
@@ -75,55 +83,51 @@ class OpenAIRoutes:
         known = ", ".join(self._pool.models()) or "none"
         raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
 
-    async def generate(self, request: Request) -> Response:
-        return await self._handle(request, disaggregate=True)
-
-    async def passthrough(self, request: Request) -> Response:
-        return await self._handle(request, disaggregate=False)
-
-    async def _handle(self, request: Request, *, disaggregate: bool) -> Response:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """Parse, pick the flow (disaggregated, else one leg to mixed then decode nodes) and hand over."""
-        self._keys.check(request)
-        raw = await read_body(request, self._limits)
-        body = parse_object(raw)
-        path = request.url.path
-        model = check_fields(body, path)
-        request_id = request_id_of(request)
-        headers = upstream_headers(request.headers, request_id, self._settings.backend_api_key)
-        key = self._affinity_key(request, body)
+        started = time.monotonic()
         route = path if path in KNOWN_ROUTES else "/v1/other"  # bounded metric labels
-        pool = self._pool
-        if disaggregate and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
+        client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
+        mode = "none"
+        try:
+            self._keys.check(client.authorization)
+            raw = await read_body(receive, client.content_length, self._limits)
+            body = parse_object(raw)
+            model = check_fields(body, path)
+            key = affinity_key(body, client.session) if self._affinity else None
+            query = scope.get("query_string", b"")
+            target = scope["raw_path"] if scope.get("raw_path") else path.encode()
+            if query:
+                target += b"?" + query
+            head = header_lines(client.forwarded)
+            pool = self._pool
+            if path in GENERATE_ROUTES and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
+                mode = "disagg"
+                disagg = self._disagg
 
-            async def disagg() -> Upstream | ErrorAnswer:
-                return await self._disagg.run(path=path, model=model, body=body, headers=headers, affinity=key)
+                async def exchange() -> Upstream | ErrorAnswer:
+                    return await disagg.run(path=target, model=model, raw=raw, body=body, head=head, affinity=key)
 
-            return self._relay(disagg, route, "disagg", request_id)
-        roles = (Role.MIXED, Role.DECODE)
-        self._check_routable(model, roles)
-        # Not disaggregated: the body goes to the node byte for byte.
-        leg = Leg(roles=roles, model=model, path=path, body=raw, headers=headers,
-                  timeout=self._settings.timeouts.first_byte, affinity=key)  # fmt: skip
+            else:
+                mode = "mixed"
+                self._check_routable(model, _MIXED_ROLES)
+                # Not disaggregated: the body goes to the node byte for byte.
+                leg = Leg(roles=_MIXED_ROLES, model=model, path=target, head=head, body=raw,
+                          timeout=self._first_byte_timeout, affinity=key)  # fmt: skip
+                forwarder = self._forwarder
 
-        async def one_leg() -> Upstream | ErrorAnswer:
-            return await self._forwarder.open(leg)
+                async def exchange() -> Upstream | ErrorAnswer:
+                    return await forwarder.open(leg)
 
-        return self._relay(one_leg, route, "mixed", request_id)
-
-    def _affinity_key(self, request: Request, body: dict[str, Any]) -> str | None:
-        if not self._affinity:
-            return None
-        return affinity_key(body, request.headers.get(self._settings.affinity_header))
-
-    def _relay(self, exchange: Exchange, route: str, mode: str, request_id: str) -> RelayResponse:
-        self._limit.acquire()
-        return RelayResponse(
-            exchange, route=route, mode=mode, request_id=request_id, metrics=self._metrics,
-            on_done=self._limit.release,
-        )  # fmt: skip
-
-    async def list_models(self, request: Request) -> Response:
-        self._keys.check(request)
-        now = int(time.time())
-        data = [{"id": m, "object": "model", "created": now, "owned_by": "vllm"} for m in self._pool.models()]
-        return JSONResponse({"object": "list", "data": data})
+            self._limit.acquire()
+        except ProxyError as exc:
+            await send_error(send, exc, client.request_id)
+            self._metrics.request_done(route, mode, exc.status, started)
+            return
+        status = 499
+        try:
+            status = await self._relay(exchange, receive, send, route=route, mode=mode,
+                                       request_id=client.request_id, started=started)  # fmt: skip
+        finally:
+            self._limit.release()
+            self._metrics.request_done(route, mode, status, started)

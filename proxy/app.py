@@ -6,26 +6,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import httpx
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.admin import AdminRoutes
 from proxy.api import OpenAIRoutes
 from proxy.balancer import make_policy
 from proxy.discovery import Discovery
 from proxy.ejection import Ejector
-from proxy.errors import MethodNotAllowed, NotFound, ProxyError
+from proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
 from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
-from proxy.guard import ConcurrencyLimit, HeaderLimit
+from proxy.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
 from proxy.httpclient import stateless_client
 from proxy.info import InfoRoutes, Lifecycle
 from proxy.loadwatch import LoadWatcher
@@ -34,12 +36,12 @@ from proxy.pool import Pool
 from proxy.prober import ModelProber
 from proxy.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from proxy.settings import ProxySettings
-from proxy.upstream import NodeClients
+from proxy.transport import HttpTransport, Transport
 
 log = logging.getLogger(__name__)
 
 CLIENT_PRUNE_INTERVAL = 30.0
-"""Seconds between closing the connection pools of nodes that left."""
+"""Seconds between closing the idle connections of nodes that left."""
 
 
 def static_node(role: Role, address: str, models: tuple[str, ...]) -> Node:
@@ -54,7 +56,10 @@ def static_node(role: Role, address: str, models: tuple[str, ...]) -> Node:
 
 
 def error_response(exc: ProxyError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    status, headers, body = render(exc)
+    response = Response(body, status_code=status)
+    response.raw_headers = headers
+    return response
 
 
 async def _proxy_error(request: Request, exc: Exception) -> Response:
@@ -71,8 +76,19 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(ProxyError(str(exc.detail)))
 
 
-def build_app(settings: ProxySettings) -> Starlette:
-    """The ASGI app of one replica."""
+class ProxyApp:
+    """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self._app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._app(scope, receive, send)
+
+
+def build_app(settings: ProxySettings, transport: Transport | None = None) -> ProxyApp:
+    """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own)."""
     lifecycle = Lifecycle()
     registry = CollectorRegistry(auto_describe=True)
     metrics = ProxyMetrics(registry)
@@ -88,36 +104,33 @@ def build_app(settings: ProxySettings) -> Starlette:
             except InvalidRecord as exc:
                 raise ValueError(f"--{role.value} {address}: {exc}") from None
 
-    t = settings.timeouts
-
-    def make_client() -> httpx.AsyncClient:
-        return stateless_client(
-            timeout=httpx.Timeout(connect=t.connect, read=None, write=60.0, pool=t.first_byte),
-            limits=httpx.Limits(max_connections=settings.max_connections,
-                                max_keepalive_connections=settings.max_connections, keepalive_expiry=60.0),
-            follow_redirects=False,
-        )  # fmt: skip
-
-    client = make_client()  # probes and the admin API: a few requests per node and minute
-    node_clients = NodeClients(make_client)
+    # Probes and the admin API: a few requests per node and minute.
+    client = stateless_client(timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False)
+    http = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=settings.max_connections)
+    if transport is None:
+        transport = http
     overrides = dict(settings.role_policies)
     policies = {role: make_policy(overrides.get(role.value, settings.policy)) for role in Role}
     ejector = Ejector(pool, client, settings.ejection)
-    forwarder = Forwarder(node_clients, pool, policies, settings, metrics, ejector)
+    forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
     backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
+    keys = ClientKeys(settings.api_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async def prune_clients() -> None:
+        http.prepare_tls()
+
+        async def prune_connections() -> None:
             while True:
                 await asyncio.sleep(CLIENT_PRUNE_INTERVAL)
-                await node_clients.prune(s.node.url for s in pool.all())
+                http.prune({s.node.url for s in pool.all()})
 
         tasks = [asyncio.create_task(prober.run(), name="model-prober"),
                  asyncio.create_task(ejector.run(), name="ejection-prober"),
-                 asyncio.create_task(prune_clients(), name="client-pruner")]  # fmt: skip
+                 asyncio.create_task(prune_connections(), name="connection-pruner"),
+                 asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag")]  # fmt: skip
         if settings.scrape_load > 0:
             watcher = LoadWatcher(pool, client, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
@@ -133,21 +146,27 @@ def build_app(settings: ProxySettings) -> Starlette:
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
-            await node_clients.aclose()
+            http.close()
+
+    async def list_models(request: Request) -> Response:
+        keys.check(request.headers.get("authorization"))
+        now = int(time.time())
+        data = [{"id": m, "object": "model", "created": now, "owned_by": "vllm"} for m in pool.models()]
+        return JSONResponse({"object": "list", "data": data})
 
     routes = [
         *InfoRoutes(pool=pool, discovery=discovery_state, registry=registry, lifecycle=lifecycle).routes(),
         *AdminRoutes(pool=pool, client=client, admin_key=settings.admin_key, etcd=etcd, layout=layout,
                      models=settings.models, metrics=metrics, allowed=settings.admin_allow,
                      backend_auth=backend_auth).routes(),  # fmt: skip
-        *OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
-                      affinity=any(p.name == "consistent-hash" for p in policies.values())).routes(),  # fmt: skip
+        Route("/v1/models", list_models, methods=["GET"]),
     ]
-    app = Starlette(
+    operator_app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
-        middleware=[Middleware(HeaderLimit, max_bytes=settings.max_header_bytes)],
     )
-    app.state.lifecycle = lifecycle
-    return app
+    openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
+                          operator_app, keys=keys,
+                          affinity=any(p.name == "consistent-hash" for p in policies.values()))  # fmt: skip
+    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)

@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.state.lifecycle).run()
+    DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.lifecycle).run()
 
 
 if __name__ == "__main__":

@@ -4,15 +4,19 @@
    ``kv_transfer_params`` asking the prefill node to keep the KV cache for a remote decode.
 2. Decode leg: the client's body plus the prefill answer's ``kv_transfer_params``, copied verbatim.
 Both legs carry the same X-Request-Id. Each leg is retried on its own by the forwarder.
+
+Bodies are touched as little as possible: the decode leg is the client's own bytes with one field spliced in
+before the closing brace; only the prefill leg is re-encoded (orjson: UTF-8 as it came, no ``\\u`` escapes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 from proxy.errors import UpstreamFailed, UpstreamTimeout
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
@@ -29,29 +33,37 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-_DROPPED_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+_DROPPED_FOR_PREFILL = frozenset(["stream_options", "min_tokens", "min_completion_tokens", "max_tokens", "stream",
+                                  "kv_transfer_params"])  # fmt: skip
 _MAX_PREFILL_ANSWER = 16 * 1024 * 1024
 
 
-def prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+def prefill_body(body: Mapping[str, Any]) -> bytes:
     """The prefill leg's body: generate one token, do not stream, keep the KV cache for a remote decode."""
     leg = {k: v for k, v in body.items() if k not in _DROPPED_FOR_PREFILL}
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     leg["stream"] = False
-    leg["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
-    return leg
+    leg["kv_transfer_params"] = PREFILL_KV_TRANSFER_PARAMS
+    return orjson.dumps(leg)
 
 
-def decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+def decode_body(raw: bytes, body: Mapping[str, Any], kv_transfer_params: Any) -> bytes:
     """The decode leg's body: the client's, plus what the prefill node answered, verbatim."""
+    if "kv_transfer_params" not in body:
+        if kv_transfer_params is None:
+            return raw
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            # The client's bytes up to its closing brace, then the one new field: nothing else is re-encoded.
+            return b"%s,\"kv_transfer_params\":%s}" % (end[:-1], orjson.dumps(kv_transfer_params))
     leg = dict(body)
     if kv_transfer_params is None:
         leg.pop("kv_transfer_params", None)
     else:
         leg["kv_transfer_params"] = kv_transfer_params
-    return leg
+    return orjson.dumps(leg)
 
 
 class Disaggregator:
@@ -62,26 +74,22 @@ class Disaggregator:
         self._timeouts = timeouts
 
     async def run(
-        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str], affinity: str | None = None
+        self, *, path: bytes, model: str, raw: bytes, body: Mapping[str, Any], head: bytes, affinity: str | None
     ) -> Upstream | ErrorAnswer:
-        kv = await self._prefill(path=path, model=model, body=body, headers=headers, affinity=affinity)
+        kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity)
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
-        leg = Leg(
-            roles=(Role.DECODE,), model=model, path=path, headers=headers, timeout=self._timeouts.first_byte,
-            body=json.dumps(decode_body(body, kv), separators=(",", ":")).encode(), affinity=affinity,
-        )  # fmt: skip
+        leg = Leg(roles=(Role.DECODE,), model=model, path=path, head=head, timeout=self._timeouts.first_byte,
+                  body=decode_body(raw, body, kv), affinity=affinity)  # fmt: skip
         return await self._forwarder.open(leg)
 
     async def _prefill(
-        self, *, path: str, model: str, body: Mapping[str, Any], headers: Mapping[str, str], affinity: str | None
+        self, *, path: bytes, model: str, body: Mapping[str, Any], head: bytes, affinity: str | None
     ) -> Any:
         """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
         total = self._timeouts.prefill
-        leg = Leg(
-            roles=(Role.PREFILL,), model=model, path=path, headers=headers, timeout=total,
-            body=json.dumps(prefill_body(body), separators=(",", ":")).encode(), affinity=affinity,
-        )  # fmt: skip
+        leg = Leg(roles=(Role.PREFILL,), model=model, path=path, head=head, timeout=total,
+                  body=prefill_body(body), affinity=affinity)  # fmt: skip
         try:
             async with asyncio.timeout(total):
                 answer = await self._forwarder.open(leg)
@@ -90,15 +98,15 @@ class Disaggregator:
                     return answer
                 outcome = "broken"
                 try:
-                    raw = await answer.read(_MAX_PREFILL_ANSWER)
+                    raw = await answer.read_all(_MAX_PREFILL_ANSWER)
                     outcome = "ok"
                 finally:
-                    await asyncio.shield(answer.aclose(outcome))
+                    answer.close(outcome)
         except TimeoutError:
             raise UpstreamTimeout(f"prefill leg did not finish within {total:g} s") from None
         try:
-            data = json.loads(raw)
-        except ValueError:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
             raise UpstreamFailed("prefill node answered something that is not JSON") from None
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if kv is None:

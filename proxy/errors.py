@@ -7,18 +7,23 @@ ProxyError                      -> its ``status``; body ``{"error": {"message", 
 ├── NotFound             404    unknown route
 │   └── ModelNotFound    404    unknown model (the message lists the known ones)
 ├── MethodNotAllowed     405
+├── RequestTimeout       408    the body took longer than --body-timeout
 ├── PayloadTooLarge      413
+├── HeadersTooLarge      431
 ├── ServiceUnavailable   503    a dependency (etcd) is unreachable (``Retry-After``)
 │   └── NoNodeAvailable  503    nothing routable now
 ├── UpstreamFailed       502    every attempt failed before a byte reached the client
 └── UpstreamTimeout      504    a configured timeout fired
 
-httpx errors are translated into UpstreamFailed/UpstreamTimeout in forwarder.py; etcd errors stay in etcd.py.
+Transport errors are raised as UpstreamFailed/UpstreamTimeout where they happen (transport.py); etcd errors
+stay in etcd.py. ``render`` is the one place an error becomes an HTTP answer.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import orjson
 
 
 class ProxyError(Exception):
@@ -26,14 +31,35 @@ class ProxyError(Exception):
     type = "internal_error"
     code = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None, close: bool = False
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.close = close
+        """Answer with ``Connection: close`` (the request was not read to its end)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def render(exc: ProxyError, request_id: str | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and JSON body of the answer for ``exc``; the same shape on every route."""
+    body = orjson.dumps(exc.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if request_id is not None:
+        headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    if exc.close:
+        headers.append((b"connection", b"close"))
+    return exc.status, headers, body
+
+
+def sse_error_event(exc: ProxyError) -> bytes:
+    """How a stream that already started ends when it fails: the error as an event, then ``[DONE]``."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
 
 
 class BadRequest(ProxyError):
@@ -70,10 +96,22 @@ class MethodNotAllowed(ProxyError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(ProxyError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(ProxyError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+
+
+class HeadersTooLarge(ProxyError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
 
 
 class ServiceUnavailable(ProxyError):

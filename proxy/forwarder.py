@@ -1,18 +1,17 @@
-"""Moves one leg of a request to a node: pick, send, retry before the first byte, relay the body.
+"""Moves one leg of a request to a node: pick, send, retry before the first byte, hand back the response.
 
 The forwarder decides nothing about *which* node (the policy does) and nothing about the disaggregated
 exchange (disagg.py); it opens a response from some node of the leg's roles, retrying on another node
-while nothing has reached the client, and hands back an ``Upstream`` whose body the caller relays.
+while nothing has reached the client, and hands back an ``Upstream`` whose body the caller relays. The
+bytes move through a ``Transport`` (transport.py), which tests may replace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-import httpx
 
 from proxy.balancer import Policy
 from proxy.ejection import Ejector
@@ -21,18 +20,20 @@ from proxy.metrics import ProxyMetrics
 from proxy.pool import NodeState, Pool
 from proxy.records import Role
 from proxy.settings import ProxySettings
-from proxy.upstream import NodeClients, Shard
+from proxy.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 HOP_BY_HOP = frozenset(
-    ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-     "transfer-encoding", "upgrade"]
+    [b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer", b"trailers",
+     b"transfer-encoding", b"upgrade"]
 )  # fmt: skip
-_NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "accept-encoding"}
-_NOT_RETURNED = HOP_BY_HOP | {"server", "date"}
+NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"x-request-id", b"expect"}
+"""Client request headers the nodes never see (the transport sets Host and Content-Length itself)."""
+_NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
 _BUSY = (429, 503)
 _MAX_ERROR_BODY = 64 * 1024
+_ERROR_BODY_SECONDS = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,45 +46,39 @@ class ErrorAnswer:
     node_id: str
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Leg:
     """One HTTP request to be sent to some node of ``roles`` (tried in order) serving ``model``."""
 
     roles: tuple[Role, ...]
     model: str
-    path: str
+    path: bytes
+    """Path and query, as sent to the node."""
+    head: bytes
+    """Header lines for the node, each ending in CRLF (see ``header_lines``)."""
     body: bytes
-    headers: Mapping[str, str]
     timeout: float
     """Seconds until response headers (the prefill leg uses its total timeout here)."""
     affinity: str | None = None
-    """Key the consistent-hash policy routes by (session, user or prompt prefix); None for the others."""
+    """Key the affinity policy routes by (session, user or prompt prefix); None for the others."""
 
 
-def upstream_headers(
-    client_headers: Mapping[str, str], request_id: str, backend_key: str | None = None
-) -> dict[str, str]:
-    """The client's headers minus hop-by-hop ones, with the request id both legs share. With a backend key,
-    the node sees that key instead of the client's Authorization."""
-    dropped = _NOT_FORWARDED | {"x-request-id"} | ({"authorization"} if backend_key else set())
-    headers = {k: v for k, v in client_headers.items() if k.lower() not in dropped}
-    headers["x-request-id"] = request_id
-    if backend_key:
-        headers["authorization"] = f"Bearer {backend_key}"
-    return headers
+def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(b"%s: %s\r\n" % pair for pair in headers)
 
 
-def client_headers(response: httpx.Response) -> list[tuple[bytes, bytes]]:
-    """Response headers to pass back to the client."""
-    return [(k, v) for k, v in response.headers.raw if k.lower().decode("latin-1") not in _NOT_RETURNED]
+def client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """A node's response headers as the client gets them: hop-by-hop ones and Server/Date dropped."""
+    return [(k, v) for k, v in headers if k.lower() not in _NOT_RETURNED]
 
 
 class Upstream:
     """An open response from a node: status and headers are in, the body is not read yet."""
 
-    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: httpx.Response, shard: Shard):
+    __slots__ = ("state", "role", "response", "_forwarder", "_closed")
+
+    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: UpstreamResponse) -> None:
         self._forwarder = forwarder
-        self._shard = shard
         self.state = state
         self.role = role
         self.response = response
@@ -91,56 +86,51 @@ class Upstream:
 
     @property
     def status(self) -> int:
-        return self.response.status_code
+        return self.response.status
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; ``UpstreamTimeout`` after the stream-idle timeout without a byte."""
-        try:
-            async for chunk in self.response.aiter_raw():
-                yield chunk
-        except httpx.TimeoutException:
-            raise UpstreamTimeout(f"node {self.state.node.node_id} stopped sending (stream idle timeout)") from None
-        except httpx.HTTPError as exc:
-            raise UpstreamFailed(f"node {self.state.node.node_id} broke off the response: {exc!r}") from None
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return self.response.headers
 
-    async def read(self, limit: int) -> bytes:
-        """The whole body (prefill responses are small); bounded in size (the caller bounds the time)."""
+    async def read_all(self, limit: int) -> bytes:
+        """The whole body (prefill answers are small), bounded in size (the caller bounds the time)."""
         body = bytearray()
-        async for chunk in self.chunks():
+        while chunk := await self.response.read():
             body += chunk
             if len(body) > limit:
                 raise UpstreamFailed(f"node {self.state.node.node_id} answered more than {limit} bytes")
         return bytes(body)
 
-    async def aclose(self, outcome: str) -> None:
+    def close(self, outcome: str) -> None:
         """Release the node (``outcome``: ok, broken or cancelled); closing early drops the connection, which
         is how vLLM learns to abort the request."""
         if self._closed:
             return
         self._closed = True
-        self._forwarder.release(self.state, self._shard, self.role, outcome, failed=outcome == "broken")
-        await self.response.aclose()
+        self.response.close()
+        self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken")
 
 
 class Forwarder:
-    """Opens upstream responses, one connection pool per node (upstream.py)."""
+    """Opens upstream responses through ``transport``, choosing nodes with the role's policy."""
 
     def __init__(
         self,
-        clients: NodeClients,
+        transport: Transport,
         pool: Pool,
         policies: Mapping[Role, Policy],
         settings: ProxySettings,
         metrics: ProxyMetrics,
         ejector: Ejector,
     ) -> None:
+        self._transport = transport
         self._ejector = ejector
         self._idle = settings.timeouts.stream_idle
-        self._clients = clients
         self._pool = pool
         self._policies = policies
-        self._settings = settings
+        self._attempts = settings.max_attempts
         self._metrics = metrics
+        self._origins: dict[str, Origin] = {}
 
     def _candidates(self, leg: Leg) -> tuple[Role, list[NodeState]]:
         for role in leg.roles:
@@ -159,13 +149,13 @@ class Forwarder:
         tried: list[NodeState] = []
         last_error: ProxyError | None = None
         last_answer: ErrorAnswer | None = None
-        for attempt in range(self._settings.max_attempts):
+        for attempt in range(self._attempts):
             role, candidates = self._candidates(leg)
             state = self._policies[role].choose(candidates, tried, leg.affinity)
             if state is None:
                 break
             if attempt:
-                self._metrics.retries.labels(role.value).inc()
+                self._metrics.retry(role)
             tried.append(state)
             result = await self._attempt(state, role, leg)
             if isinstance(result, Upstream):
@@ -180,69 +170,60 @@ class Forwarder:
             raise last_error
         raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {leg.model!r}")
 
+    def _origin(self, url: str) -> Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = Origin.of(url)
+        return origin
+
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
-        shard = self._clients.acquire(node.url)
+        request = UpstreamRequest(origin=self._origin(node.url), path=leg.path, head=leg.head, body=leg.body,
+                                  timeout=leg.timeout, idle_timeout=self._idle)  # fmt: skip
         state.in_flight += 1
         try:
-            request = shard.client.build_request("POST", node.url + leg.path, content=leg.body, headers=leg.headers)
-            async with asyncio.timeout(leg.timeout):
-                response = await shard.client.send(request, stream=True)
-        except TimeoutError:
-            self.release(state, shard, role, "timeout", failed=True)
-            log.warning("upstream timeout node=%s role=%s after=%gs", node.node_id, role.value, leg.timeout)
-            return UpstreamTimeout(f"node {node.node_id} did not answer within {leg.timeout:g} s")
-        except httpx.TimeoutException as exc:
-            self.release(state, shard, role, "timeout", failed=True)
-            log.warning("upstream timeout node=%s role=%s error=%r", node.node_id, role.value, exc)
-            return UpstreamTimeout(f"node {node.node_id} timed out: {type(exc).__name__}")
-        except httpx.HTTPError as exc:
-            self.release(state, shard, role, "connect_error", failed=True)
-            log.warning("upstream failed node=%s role=%s error=%r", node.node_id, role.value, exc)
-            return UpstreamFailed(f"node {node.node_id} failed: {type(exc).__name__}")
+            response = await self._transport.send(request)
+        except UpstreamTimeout as exc:
+            self.release(state, role, "timeout", failed=True)
+            log.warning("upstream timeout node=%s role=%s error=%s", node.node_id, role.value, exc.message)
+            return exc
+        except ProxyError as exc:
+            self.release(state, role, "connect_error", failed=True)
+            log.warning("upstream failed node=%s role=%s error=%s", node.node_id, role.value, exc.message)
+            return UpstreamFailed(exc.message)
         except BaseException:
-            self.release(state, shard, role, "cancelled", failed=False)
+            self.release(state, role, "cancelled", failed=False)
             raise
-        if response.status_code >= 500 or response.status_code == 429:
+        status = response.status
+        if status >= 500 or status == 429:
             try:
                 body = await _read_bounded(response)
-            except (httpx.HTTPError, TimeoutError):
+            except (ProxyError, TimeoutError):
                 body = b""
             finally:
-                await response.aclose()
-            busy = response.status_code in _BUSY
-            self.release(state, shard, role, f"http_{response.status_code}", failed=not busy)
-            log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, response.status_code)
-            headers = [(k, v) for k, v in client_headers(response) if k.lower() != b"content-length"]
-            return ErrorAnswer(status=response.status_code, headers=headers, body=body, node_id=node.node_id)
-        # From here on the read timeout is the gap allowed between body chunks. httpcore reads it from the
-        # request's extensions when the body iteration starts, so one timeout per socket read (which it sets
-        # up anyway) replaces a timer of ours per chunk.
-        response.request.extensions["timeout"] = {**request.extensions.get("timeout", {}), "read": self._idle}
+                response.close()
+            busy = status in _BUSY
+            self.release(state, role, f"http_{status}", failed=not busy)
+            log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, status)
+            headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
+            return ErrorAnswer(status=status, headers=headers, body=body, node_id=node.node_id)
         # The node answered: that ends probation even before the body (a long generation) is through.
         self._ejector.success(state)
-        return Upstream(self, state, role, response, shard)
+        return Upstream(self, state, role, response)
 
-    def release(self, state: NodeState, shard: Shard, role: Role, outcome: str, *, failed: bool) -> None:
-        self._clients.release(shard)
+    def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
         state.in_flight -= 1
         state.served += 1
-        self.record(state, role, outcome, failed=failed)
-
-    def record(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
-        """Count an outcome against a node; the ejector ejects nodes that keep failing."""
-        self._metrics.upstream.labels(role.value, state.node.node_id, outcome).inc()
+        self._metrics.upstream_outcome(role, state.node.node_id, outcome)
         if failed:
             self._ejector.failure(state, outcome)
         elif outcome == "ok":
             self._ejector.success(state)
 
 
-async def _read_bounded(response: httpx.Response) -> bytes:
+async def _read_bounded(response: UpstreamResponse) -> bytes:
     body = bytearray()
-    async with asyncio.timeout(10):
-        async for chunk in response.aiter_raw():
+    async with asyncio.timeout(_ERROR_BODY_SECONDS):
+        while len(body) <= _MAX_ERROR_BODY and (chunk := await response.read()):
             body += chunk
-            if len(body) > _MAX_ERROR_BODY:
-                break
     return bytes(body[:_MAX_ERROR_BODY])

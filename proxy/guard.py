@@ -1,4 +1,4 @@
-"""Who may use the OpenAI routes, and how many requests a replica takes on at once.
+"""Who may use the OpenAI routes, how many requests a replica takes on at once, and how large headers may be.
 
 Client keys are optional: with none configured the API is open (the embedded default, like vLLM without
 --api-key). Keys are compared in constant time and never logged.
@@ -7,17 +7,19 @@ Client keys are optional: with none configured the API is open (the embedded def
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Iterable
 
-from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.errors import ProxyError, ServiceUnavailable, Unauthorized
+from proxy.errors import HeadersTooLarge, ServiceUnavailable, Unauthorized, render
 
 
-def bearer_token(request: Request) -> str | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def bearer_token(authorization: str | bytes | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
+    if not authorization:
+        return None
+    text = authorization.decode("latin-1") if isinstance(authorization, bytes) else authorization
+    scheme, _, token = text.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
@@ -27,15 +29,11 @@ class ClientKeys:
     def __init__(self, keys: Iterable[str]) -> None:
         self._keys = tuple(k.encode() for k in dict.fromkeys(keys) if k)
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._keys)
-
-    def check(self, request: Request) -> None:
-        """401 unless the request carries ``Authorization: Bearer <one of the keys>``."""
+    def check(self, authorization: str | bytes | None) -> None:
+        """401 unless ``authorization`` is ``Bearer <one of the keys>``."""
         if not self._keys:
             return
-        token = bearer_token(request)
+        token = bearer_token(authorization)
         if token is None:
             raise Unauthorized("an API key is required: send it as 'Authorization: Bearer <key>'")
         given = token.encode()
@@ -65,12 +63,6 @@ class ConcurrencyLimit:
         self.in_flight -= 1
 
 
-class HeadersTooLarge(ProxyError):
-    status = 431
-    type = "invalid_request_error"
-    code = "headers_too_large"
-
-
 class HeaderLimit:
     """ASGI middleware: 431 for requests whose headers add up to more than ``max_bytes``.
 
@@ -85,11 +77,9 @@ class HeaderLimit:
         if scope["type"] == "http" and self.max_bytes:
             size = sum(len(name) + len(value) + 4 for name, value in scope["headers"])
             if size > self.max_bytes:
-                error = HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes")
-                body = json.dumps(error.body()).encode()
-                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                           (b"connection", b"close")]  # fmt: skip
-                await send({"type": "http.response.start", "status": error.status, "headers": headers})
+                error = HeadersTooLarge(f"request headers are larger than {self.max_bytes} bytes", close=True)
+                status, headers, body = render(error)
+                await send({"type": "http.response.start", "status": status, "headers": headers})
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)

@@ -6,9 +6,12 @@ so the request path only touches counters and histograms.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -17,6 +20,9 @@ from proxy.pool import Pool
 from proxy.records import Role
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+LAG_INTERVAL = 0.25
+"""Seconds between two event-loop lag samples."""
 
 
 class ProxyMetrics:
@@ -55,6 +61,47 @@ class ProxyMetrics:
         self.admin_denied = Counter(
             "vllm_proxy_admin_denied", "Admin API calls refused (disabled or wrong key).", registry=registry
         )
+        self.loop_lag = Gauge(
+            "vllm_proxy_event_loop_lag_seconds", "How late the event loop ran the last timer it was given: the "
+            "time every request on the replica waits behind work in progress.", registry=registry,
+        )  # fmt: skip
+        self.loop_lag_seconds = Histogram(
+            "vllm_proxy_event_loop_lag_distribution_seconds", "Event-loop lag samples, every 0.25 s.",
+            buckets=_LAG_BUCKETS, registry=registry,
+        )  # fmt: skip
+        # Label lookups take a lock and build tuples; the request path reuses the children it has seen.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def request_done(self, route: str, mode: str, status: int, started: float) -> None:
+        """A client request answered (``started``: its ``time.monotonic()``)."""
+        self._child(self.requests, route, mode, str(status)).inc()
+        self._child(self.request_seconds, route, mode).observe(time.monotonic() - started)
+
+    def first_byte(self, route: str, mode: str, started: float) -> None:
+        self._child(self.first_byte_seconds, route, mode).observe(time.monotonic() - started)
+
+    def upstream_outcome(self, role: Role, node_id: str, outcome: str) -> None:
+        self._child(self.upstream, role.value, node_id, outcome).inc()
+
+    def retry(self, role: Role) -> None:
+        self._child(self.retries, role.value).inc()
+
+    async def watch_loop_lag(self) -> None:
+        """Sample how late the loop wakes a sleeper, forever."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_INTERVAL
+            await asyncio.sleep(LAG_INTERVAL)
+            lag = max(0.0, loop.time() - due)
+            self.loop_lag.set(lag)
+            self.loop_lag_seconds.observe(lag)
 
 
 class PoolCollector(Collector):

@@ -1,4 +1,5 @@
-"""Reading client requests: body size and time limits, JSON, and the few fields the proxy relies on.
+"""Reading client requests straight from ASGI: headers, the body within its limits, and the few JSON fields the
+proxy relies on.
 
 Only what routing and the disaggregated exchange need is checked; every other field passes through to the
 node untouched. A request that fails here never reaches any node.
@@ -13,18 +14,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+import orjson
+from starlette.types import Receive, Scope
 
-from proxy.errors import BadRequest, PayloadTooLarge, ProxyError
+from proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from proxy.forwarder import NOT_FORWARDED
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_MODEL_NAME = 512
-
-
-class RequestTimeout(ProxyError):
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
+DISCARD_BYTES = 256 * 1024 * 1024
+"""How much of a body over the limit is read (and dropped) before the 413, so the client is still reading
+when the answer comes instead of getting a connection reset."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,57 +35,94 @@ class BodyLimits:
     """Seconds the client may take to send the whole body (slow clients cannot hold a slot forever)."""
 
 
-def request_id_of(request: Request) -> str:
-    """The client's X-Request-Id when it is sane, else a new one."""
-    given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClientRequest:
+    """What the proxy takes from a request's headers, in one pass over them."""
+
+    forwarded: list[tuple[bytes, bytes]]
+    """Headers for the nodes: the client's minus hop-by-hop ones, with the request id (and backend key)."""
+    request_id: str
+    authorization: bytes | None
+    content_length: int | None
+    session: str | None
+    """The affinity header's value, if the client sent one."""
 
 
-async def read_body(request: Request, limits: BodyLimits) -> bytes:
-    """The raw body: 413 past ``max_bytes`` (checked against Content-Length first), 408 past ``timeout``."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limits.max_bytes:
-        raise PayloadTooLarge(f"request body is larger than {limits.max_bytes} bytes")
-    raw = bytearray()
+def read_headers(scope: Scope, *, session_header: bytes, backend_auth: bytes | None) -> ClientRequest:
+    """The client's headers sorted into what is forwarded and what the proxy reads itself."""
+    forwarded: list[tuple[bytes, bytes]] = []
+    request_id = authorization = length = session = None
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            request_id = value
+        elif name == b"content-length":
+            length = value
+        elif name == b"authorization":
+            authorization = value
+            if backend_auth is None:
+                forwarded.append((name, value))
+        elif name in NOT_FORWARDED:
+            continue
+        else:
+            if name == session_header:
+                session = value
+            forwarded.append((name, value))
+    rid = request_id.decode("ascii") if request_id is not None and _REQUEST_ID.match(request_id) else uuid.uuid4().hex
+    forwarded.append((b"x-request-id", rid.encode("ascii")))
+    if backend_auth is not None:
+        forwarded.append((b"authorization", backend_auth))
+    return ClientRequest(
+        forwarded=forwarded, request_id=rid, authorization=authorization,
+        content_length=int(length) if length is not None and length.isdigit() else None,
+        session=session.decode("latin-1") if session else None,
+    )  # fmt: skip
+
+
+async def read_body(receive: Receive, declared: int | None, limits: BodyLimits) -> bytes:
+    """The raw body: 413 past ``max_bytes``, 408 past ``timeout``, 400 when the client leaves half-way.
+
+    A body over the limit is still read on (and dropped), up to ``DISCARD_BYTES`` or the timeout: a client
+    that is still sending when the server closes gets a connection reset instead of the 413.
+    """
+    message = await receive()
+    body: bytes = message.get("body", b"")
+    too_large = (declared is not None and declared > limits.max_bytes) or len(body) > limits.max_bytes
+    if not message.get("more_body", False) and not too_large:
+        if message["type"] == "http.disconnect":
+            raise BadRequest("client disconnected while sending the body")
+        return body
+    parts = [] if too_large else [body]
+    size = len(body)
     try:
         async with asyncio.timeout(limits.timeout):
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > limits.max_bytes:
-                    raise PayloadTooLarge(f"request body is larger than {limits.max_bytes} bytes")
+            while message.get("more_body", False) and size <= DISCARD_BYTES:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise BadRequest("client disconnected while sending the body")
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limits.max_bytes:
+                    too_large, parts = True, []
+                elif not too_large:
+                    parts.append(chunk)
     except TimeoutError:
-        raise RequestTimeout(f"request body was not received within {limits.timeout:g} s") from None
-    except ClientDisconnect:
-        raise BadRequest("client disconnected while sending the body") from None
-    return bytes(raw)
-
-
-AFFINITY_PREFIX_CHARS = 2048
-"""How much of the prompt names a conversation for consistent-hash: enough for a system prompt and the
-first turn, which is what a node's prefix cache can reuse."""
-
-
-def affinity_key(body: dict[str, Any], header_value: str | None) -> str | None:
-    """What consistent-hash routes by: the session header, else the body's ``user``, else the prompt's start."""
-    if header_value:
-        return f"session:{header_value}"
-    user = body.get("user")
-    if isinstance(user, str) and user:
-        return f"user:{user}"
-    messages = body.get("messages")
-    if isinstance(messages, list) and messages:
-        return "prefix:" + json.dumps(messages[:2], sort_keys=True, default=str)[:AFFINITY_PREFIX_CHARS]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return "prefix:" + prompt[:AFFINITY_PREFIX_CHARS]
-    return None
+        if not too_large:
+            raise RequestTimeout(f"request body was not received within {limits.timeout:g} s") from None
+    if too_large:
+        raise PayloadTooLarge(f"request body is larger than {limits.max_bytes} bytes", close=True)
+    return b"".join(parts)
 
 
 def parse_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BadRequest("request body is not valid JSON") from None
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        # orjson refuses a few things Python's json takes (integers past 64 bits, NaN); so do vLLM's servers
+        # sometimes, but that is for the node to say.
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise BadRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -95,6 +132,9 @@ def _int_field(body: dict[str, Any], name: str) -> None:
     value = body.get(name)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise BadRequest(f"'{name}' must be a non-negative integer", param=name)
+
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n")
 
 
 def check_fields(body: dict[str, Any], route: str) -> str:
@@ -108,8 +148,9 @@ def check_fields(body: dict[str, Any], route: str) -> str:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    for name in ("max_tokens", "max_completion_tokens", "min_tokens", "n"):
-        _int_field(body, name)
+    for name in _INT_FIELDS:
+        if name in body:
+            _int_field(body, name)
     if route == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -119,3 +160,29 @@ def check_fields(body: dict[str, Any], route: str) -> str:
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
             raise BadRequest("'prompt' must be a string or a non-empty array", param="prompt")
     return model
+
+
+AFFINITY_PREFIX_CHARS = 2048
+"""How much of the prompt names a conversation for consistent-hash: enough for a system prompt and the
+first turn, which is what a node's prefix cache can reuse."""
+
+
+def affinity_key(body: dict[str, Any], session: str | None) -> str | None:
+    """What consistent-hash routes by: the session header, else the body's ``user``, else the prompt's start."""
+    if session:
+        return f"session:{session}"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return f"user:{user}"
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        parts = []
+        for message in messages[:2]:
+            content = message.get("content") if isinstance(message, dict) else None
+            role = message.get("role") if isinstance(message, dict) else None
+            parts.append(f"{role}\x00{content if isinstance(content, str) else content!r}")
+        return "prefix:" + "\x01".join(parts)[:AFFINITY_PREFIX_CHARS]
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return "prefix:" + prompt[:AFFINITY_PREFIX_CHARS]
+    return None

@@ -1,0 +1,194 @@
+"""What a client sees when nodes answer 5xx, 429/503 or break mid-answer: retried or ended exactly as README
+"Operations" says. The replica runs for real (uvicorn on loopback); only its transport to the nodes is a
+scripted one, so each node's answer is exact."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+import pytest
+import uvicorn
+
+from proxy.app import ProxyApp, build_app
+from proxy.cli import build_parser, settings_from_args
+from proxy.errors import UpstreamFailed
+from proxy.transport import UpstreamRequest, UpstreamResponse
+from tests.support.procs import HOST, free_port
+
+MODEL = "m"
+NODE_A, NODE_B = "127.0.0.1:1", "127.0.0.1:2"
+SSE = [(b"content-type", b"text/event-stream")]
+JSON = [(b"content-type", b"application/json")]
+
+
+@dataclass
+class Answer:
+    """How a scripted node answers one request."""
+
+    status: int = 200
+    headers: list[tuple[bytes, bytes]] = field(default_factory=lambda: list(JSON))
+    chunks: list[bytes] = field(default_factory=lambda: [b'{"ok": true}'])
+    then: Exception | None = None
+    """Raised by read() after the chunks, instead of the end of the body."""
+    refuse: Exception | None = None
+    """Raised by send(): the node could not be reached."""
+
+
+class ScriptedResponse:
+    def __init__(self, answer: Answer) -> None:
+        self.status = answer.status
+        self.headers = answer.headers
+        self._chunks = list(answer.chunks)
+        self._then = answer.then
+        self.closed = False
+
+    async def read(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        if self._then is not None:
+            raise self._then
+        return b""
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ScriptedTransport:
+    """Each node answers with its script's answers in turn, the last one from then on."""
+
+    def __init__(self, scripts: dict[str, list[Answer]]) -> None:
+        self.scripts = scripts
+        self.calls: list[str] = []
+        self.bodies: list[bytes] = []
+
+    async def send(self, request: UpstreamRequest) -> UpstreamResponse:
+        node = f"{request.origin.host}:{request.origin.port}"
+        self.calls.append(node)
+        self.bodies.append(request.body)
+        script = self.scripts[node]
+        answer = script.pop(0) if len(script) > 1 else script[0]
+        if answer.refuse is not None:
+            raise answer.refuse
+        return ScriptedResponse(answer)
+
+
+@asynccontextmanager
+async def replica(transport: ScriptedTransport, *flags: str) -> AsyncIterator[str]:
+    """A replica with static mixed nodes A and B on a real loopback port (more ``vllm-proxy`` flags may be
+    given); yields its URL."""
+    argv = ["--mixed", NODE_A, NODE_B, "--model", MODEL, "--policy", "round-robin", *flags]
+    app: ProxyApp = build_app(settings_from_args(build_parser().parse_args(argv)), transport=transport)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_config=None, lifespan="on",
+                                           loop="asyncio", http="httptools"))  # fmt: skip
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                await asyncio.sleep(0.01)
+        yield f"http://{HOST}:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+def completion(stream: bool = False) -> dict[str, object]:
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, "stream": stream}
+
+
+async def workers(client: httpx.AsyncClient) -> dict[str, dict[str, object]]:
+    listed = (await client.get("/list_workers")).json()["workers"]
+    return {w["id"]: w for w in listed}
+
+
+async def test_a_5xx_is_retried_on_another_node_and_counts_against_the_first() -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(status=500, chunks=[b'{"error": "boom"}'])],
+                                   NODE_B: [Answer(chunks=[b'{"from": "b"}'])]})  # fmt: skip
+    async with replica(transport, "--eject-after", "0") as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(4):
+            answer = await client.post("/v1/completions", json=completion())
+            assert answer.status_code == 200 and answer.json() == {"from": "b"}
+        assert transport.calls.count(NODE_B) == 4 and 1 <= transport.calls.count(NODE_A) <= 4
+        # A was tried before B whenever it was tried at all: a retry never goes back to a node already tried.
+        assert all(transport.calls[i + 1] == NODE_B for i, n in enumerate(transport.calls) if n == NODE_A)
+        state = await workers(client)
+        assert state[NODE_A]["consecutive_failures"] == transport.calls.count(NODE_A)
+        assert state[NODE_B]["consecutive_failures"] == 0
+        assert state[NODE_A]["in_flight"] == state[NODE_B]["in_flight"] == 0
+
+
+@pytest.mark.parametrize("busy", [429, 503])
+async def test_a_busy_node_is_passed_over_but_never_ejected(busy: int) -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(status=busy, chunks=[b"{}"])], NODE_B: [Answer()]})
+    async with replica(transport, "--eject-after", "1") as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(6):
+            assert (await client.post("/v1/completions", json=completion())).status_code == 200
+        state = await workers(client)
+        assert transport.calls.count(NODE_A) >= 2
+        assert state[NODE_A]["ejected"] is False and state[NODE_A]["consecutive_failures"] == 0
+
+
+async def test_when_every_node_fails_the_client_gets_the_last_nodes_own_error() -> None:
+    error = b'{"object": "error", "message": "engine dead", "code": 500}'
+    transport = ScriptedTransport({NODE_A: [Answer(status=500, chunks=[error])],
+                                   NODE_B: [Answer(status=500, chunks=[error])]})  # fmt: skip
+    async with replica(transport, "--eject-after", "0") as url, httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/completions", json=completion())
+        assert answer.status_code == 500 and answer.content == error
+        assert len(transport.calls) == 3 and set(transport.calls) == {NODE_A, NODE_B}
+
+
+async def test_unreachable_nodes_give_a_502_after_max_attempts() -> None:
+    refused = Answer(refuse=UpstreamFailed("cannot connect"))
+    transport = ScriptedTransport({NODE_A: [refused], NODE_B: [refused]})
+    flags = ("--eject-after", "0", "--max-attempts", "2")
+    async with replica(transport, *flags) as url, httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/completions", json=completion())
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_failed"
+        assert sorted(transport.calls) == [NODE_A, NODE_B]
+
+
+async def test_a_stream_that_breaks_after_its_first_bytes_ends_with_an_error_event_and_no_retry() -> None:
+    events = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
+    broken = Answer(headers=list(SSE), chunks=events, then=UpstreamFailed("node broke off the response"))
+    transport = ScriptedTransport({NODE_A: [broken], NODE_B: [broken]})
+    async with replica(transport) as url, httpx.AsyncClient(base_url=url) as client:
+        async with client.stream("POST", "/v1/completions", json=completion(stream=True)) as answer:
+            assert answer.status_code == 200
+            body = b"".join([chunk async for chunk in answer.aiter_raw()])
+        assert len(transport.calls) == 1
+        blocks = body.split(b"\n\n")
+        assert blocks[:2] == [e.rstrip(b"\n") for e in events]
+        assert orjson.loads(blocks[2].removeprefix(b"data: "))["error"]["code"] == "upstream_failed"
+        assert blocks[3] == b"data: [DONE]"
+
+
+async def test_a_json_body_cut_off_midway_is_left_unfinished_so_the_client_sees_an_error() -> None:
+    half = Answer(headers=[*JSON, (b"content-length", b"40")], chunks=[b'{"choices": [{"text": "'],
+                  then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    transport = ScriptedTransport({NODE_A: [half], NODE_B: [half]})
+    async with replica(transport) as url, httpx.AsyncClient(base_url=url) as client:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post("/v1/completions", json=completion())
+        assert len(transport.calls) == 1
+        # The replica itself is fine: the next request is answered.
+        transport.scripts[NODE_A] = transport.scripts[NODE_B] = [Answer()]
+        assert (await client.post("/v1/completions", json=completion())).status_code == 200
+
+
+async def test_a_request_that_fails_inside_the_proxy_leaks_no_node_slot_and_no_concurrency_slot() -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(refuse=RuntimeError("bug"))],
+                                   NODE_B: [Answer(refuse=RuntimeError("bug"))]})  # fmt: skip
+    async with replica(transport, "--max-concurrent-requests", "1") as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(3):
+            assert (await client.post("/v1/completions", json=completion())).status_code == 500
+        state = await workers(client)
+        assert state[NODE_A]["in_flight"] == state[NODE_B]["in_flight"] == 0
+        transport.scripts[NODE_A] = transport.scripts[NODE_B] = [Answer()]
+        # With a concurrency limit of 1, a leaked slot would turn this into a 503.
+        assert (await client.post("/v1/completions", json=completion())).status_code == 200
