@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +90,20 @@ def test_body_over_the_limit_is_a_413(proxy: ProxyProc) -> None:
     assert answer.json()["error"]["code"] == "payload_too_large"
 
 
+def test_a_64_mib_body_gets_a_readable_413_not_a_connection_reset(proxy: ProxyProc) -> None:
+    # The body is far past the limit, and the client sends all of it before it reads: the replica must read on
+    # (and drop) what comes, or the client's kernel sees a reset before the answer.
+    body = b'{"model": "sim-model", "prompt": "' + b"x" * (64 * 1024 * 1024) + b'"}'
+    headers = {"Content-Type": "application/json", **auth("client-key-a")}
+    request = urllib.request.Request(f"{proxy.url}/v1/completions", data=body, headers=headers, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 413
+    assert json.loads(refused.value.read())["error"]["code"] == "payload_too_large"
+    answer = httpx.post(f"{proxy.url}/v1/completions", content=body, headers=headers, timeout=60)
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == "payload_too_large"
+
+
 def test_a_client_sending_its_body_byte_by_byte_is_cut_off(proxy: ProxyProc) -> None:
     with socket.create_connection((HOST, proxy.port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer client-key-a\r\n"
@@ -97,12 +114,14 @@ def test_a_client_sending_its_body_byte_by_byte_is_cut_off(proxy: ProxyProc) -> 
         assert time.monotonic() - started < 5
 
 
-def test_requests_beyond_the_concurrency_limit_get_503_with_retry_after(proxy: ProxyProc) -> None:
+def test_requests_beyond_the_concurrency_limit_get_503_with_retry_after(proxy: ProxyProc, node: SimNode) -> None:
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30, headers=auth("client-key-a")) as client:
             body = {**CHAT, "max_tokens": 10}
             slow = [asyncio.create_task(client.post(f"{proxy.url}/v1/chat/completions", json=body)) for _ in range(2)]
-            await asyncio.sleep(0.5)  # pacing only: the two slow requests take ~2 s on the node
+            async with asyncio.timeout(10):  # until both slow requests are generating on the node (~2 s each)
+                while (await asyncio.to_thread(node.snapshot))["running"] < 2:
+                    await asyncio.sleep(0.02)
             extra = await client.post(f"{proxy.url}/v1/chat/completions", json=CHAT)
             return [extra, *await asyncio.gather(*slow)]
 
