@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
 import httpx
 from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -37,6 +39,7 @@ from proxy.prober import ModelProber
 from proxy.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from proxy.settings import ProxySettings
 from proxy.transport import HttpTransport, Transport
+from proxy.workers import METRICS_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +157,14 @@ def build_app(settings: ProxySettings, transport: Transport | None = None) -> Pr
         data = [{"id": m, "object": "model", "created": now, "owned_by": "vllm"} for m in pool.models()]
         return JSONResponse({"object": "list", "data": data})
 
+    scraped = registry
+    if os.environ.get(METRICS_DIR_ENV):
+        # One of several workers (workers.py): counters and histograms summed over all of them, pool gauges ours.
+        scraped = CollectorRegistry(auto_describe=True)
+        MultiProcessCollector(scraped)  # type: ignore[no-untyped-call]
+        scraped.register(PoolCollector(pool, discovery_state))
     routes = [
-        *InfoRoutes(pool=pool, discovery=discovery_state, registry=registry, lifecycle=lifecycle).routes(),
+        *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle).routes(),
         *AdminRoutes(pool=pool, client=client, admin_key=settings.admin_key, etcd=etcd, layout=layout,
                      models=settings.models, metrics=metrics, allowed=settings.admin_allow,
                      backend_auth=backend_auth).routes(),  # fmt: skip

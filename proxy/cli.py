@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from ipaddress import ip_network
@@ -25,6 +26,7 @@ from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdU
 from proxy.info import Lifecycle
 from proxy.records import KeyLayout
 from proxy.settings import ProxySettings, TimeoutSettings
+from proxy.workers import run_workers
 
 ENV_PREFIX = "VLLM_PROXY_"
 LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr"}
@@ -84,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests "
         "(default 60)")  # fmt: skip
     add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
-    add("--max-connections", type=int, default=1000, help="upstream connection pool size (default 1000)")
+    add("--max-connections", type=int, default=1000, help="connections open to one node at most; more "
+        "requests wait for one (default 1000)")  # fmt: skip
     add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
     add("--etcd-cacert", help="CA bundle to verify etcd's TLS certificate")
     add("--etcd-cert", help="client certificate for etcd")
@@ -92,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd-user", help="etcd user name")
     add("--etcd-password", help="etcd password (prefer VLLM_PROXY_ETCD_PASSWORD or --etcd-password-file)")
     add("--etcd-password-file", help="file whose first line is the etcd password")
+    add("--workers", type=int, default=1, help="processes serving the port, each with its own etcd watch and "
+        "pools; use one per core the replica may use (default 1)")  # fmt: skip
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
     return p
 
@@ -164,7 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
                                   max_backoff=args.eject_max_backoff),
         shutdown_timeout=args.shutdown_timeout, shutdown_delay=args.shutdown_delay,
         models_refresh=args.models_refresh,
-        max_connections=args.max_connections, log_level=args.log_level,
+        max_connections=args.max_connections, log_level=args.log_level, workers=args.workers,
     )  # fmt: skip
 
 
@@ -218,35 +223,73 @@ def configure_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    # gRPC's C core prints its own error lines to stderr; ours already say what failed and why.
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+def parse_settings(argv: Sequence[str]) -> ProxySettings:
+    """Flags (then ``VLLM_PROXY_*`` variables) to settings; a usage error exits with status 2."""
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
     _apply_env(parser, argv)
     args = parser.parse_args(argv)
     if args.max_attempts < 1:
         parser.error("--max-attempts must be at least 1")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     if not args.etcd and not (args.prefill or args.decode or args.mixed):
         parser.error("give --etcd, or static nodes with --prefill/--decode/--mixed")
     try:
         settings = settings_from_args(args)
-        app = build_app(settings)
+        build_app(settings)  # static nodes and policies are checked here, before anything starts
     except ValueError as exc:
         parser.error(str(exc))
+    return settings
+
+
+def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    """The replica's listening socket; with ``reuse_port`` several workers bind the same port and the kernel
+    spreads new connections over them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
+    """Run one replica (or one worker of it) until SIGTERM/SIGINT, then drain."""
+    app = build_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
+        access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",
+        server_header=False,
+    )  # fmt: skip
+    sock = listening_socket(settings.host, settings.port, reuse_port=reuse_port)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.lifecycle).run(sockets=[sock])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    # gRPC's C core prints its own error lines to stderr; ours already say what failed and why.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    settings = parse_settings(argv)
     configure_logging(settings.log_level)
     if settings.etcd is not None:
         problem = asyncio.run(check_etcd(settings))
         if problem is not None:
             print(f"vllm-proxy: error: {problem}", file=sys.stderr)
             sys.exit(1)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
-        access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",
-    )  # fmt: skip
-    # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.lifecycle).run()
+    if settings.workers > 1:
+        try:
+            sys.exit(run_workers(settings, argv))
+        except OSError as exc:
+            print(f"vllm-proxy: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(1)
+    serve(settings)
 
 
 if __name__ == "__main__":

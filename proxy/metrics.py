@@ -64,6 +64,7 @@ class ProxyMetrics:
         self.loop_lag = Gauge(
             "vllm_proxy_event_loop_lag_seconds", "How late the event loop ran the last timer it was given: the "
             "time every request on the replica waits behind work in progress.", registry=registry,
+            multiprocess_mode="livemax",  # with --workers: the worst worker's
         )  # fmt: skip
         self.loop_lag_seconds = Histogram(
             "vllm_proxy_event_loop_lag_distribution_seconds", "Event-loop lag samples, every 0.25 s.",

@@ -82,6 +82,8 @@ class ProxySettings:
     models_refresh: float = 15.0
     """Seconds between GET /v1/models polls of nodes whose record names no models."""
     max_connections: int = 1000
-    """Upper bound of the shared upstream connection pool (per replica)."""
+    """Connections open to one node at most; requests beyond wait for one (within the first-byte timeout)."""
+    workers: int = 1
+    """Processes serving the port (SO_REUSEPORT), each with its own watch and pools; one per core."""
     log_level: str = "info"
     """Python logging level name."""

@@ -326,18 +326,25 @@ class _NodePool:
             old.close()
         return None
 
-    async def connect(self) -> _Connection:
-        while self._open >= self._limit:
-            waiter = self.loop.create_future()
-            self._waiters.append(waiter)
+    async def connect(self, wait: float) -> _Connection:
+        """A new connection, or an idle one freed while the node was at its limit (waiting up to ``wait`` s)."""
+        if self._open >= self._limit:
             try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-            conn = self.take_idle()
-            if conn is not None:
-                return conn
+                async with asyncio.timeout(wait):
+                    while self._open >= self._limit:
+                        waiter = self.loop.create_future()
+                        self._waiters.append(waiter)
+                        try:
+                            await waiter
+                        finally:
+                            if waiter in self._waiters:
+                                self._waiters.remove(waiter)
+                        conn = self.take_idle()
+                        if conn is not None:
+                            return conn
+            except TimeoutError:
+                raise UpstreamTimeout(f"node {self.name}: all {self._limit} connections stayed busy for "
+                                      f"{wait:g} s") from None  # fmt: skip
         self._open += 1
         conn = _Connection(self)
         origin = self.origin
@@ -433,7 +440,7 @@ class HttpTransport:
                 # A reused connection the node closed while it sat idle: the node never saw the request.
                 if conn.had_bytes:
                     raise
-        return await self._exchange(await pool.connect(), pool, wire, request)
+        return await self._exchange(await pool.connect(request.timeout), pool, wire, request)
 
     async def _exchange(self, conn: _Connection, pool: _NodePool, wire: bytes,
                         request: UpstreamRequest) -> _Response:  # fmt: skip
