@@ -195,6 +195,8 @@ class _Connection(asyncio.Protocol):
         """Counted in the pool's open connections (until it closes)."""
         self.had_bytes = False
         """The last response on this connection received bytes before it ended."""
+        self._reusable = False
+        """The node allows another request on this connection (keep-alive), as of its last response."""
 
     # -- asyncio.Protocol -------------------------------------------------------------------------------
 
@@ -259,6 +261,8 @@ class _Connection(asyncio.Protocol):
         response = self.response
         if response is not None and response.head_done:
             response.complete = True
+            # Asked now: once the callback returns, the parser has moved on and always answers False.
+            self._reusable = self._parser.should_keep_alive()
 
     # -- used by the pool and the response -----------------------------------------------------------
 
@@ -276,7 +280,8 @@ class _Connection(asyncio.Protocol):
         if self.response is not response:
             return
         self.response = None
-        reusable = response.complete and not self.closed and self._parser.should_keep_alive()
+        reusable = response.complete and not self.closed and self._reusable
+        self._reusable = False
         if reusable:
             self.resume()
             self._pool.give_back(self)
