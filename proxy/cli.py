@@ -252,7 +252,8 @@ def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.listen(2048)
+    # Not listening yet: uvicorn listens once the app has started, so no connection waits on a worker that is
+    # still starting (or dies while starting).
     sock.setblocking(False)
     return sock
 

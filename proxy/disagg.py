@@ -11,8 +11,8 @@ before the closing brace; only the prefill leg is re-encoded (orjson: UTF-8 as i
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,21 +89,20 @@ class Disaggregator:
         """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
         total = self._timeouts.prefill
         leg = Leg(roles=(Role.PREFILL,), model=model, path=path, head=head, timeout=total,
-                  body=prefill_body(body), affinity=affinity)  # fmt: skip
+                  deadline=time.monotonic() + total, body=prefill_body(body), affinity=affinity)  # fmt: skip
         try:
-            async with asyncio.timeout(total):
-                answer = await self._forwarder.open(leg)
-                if isinstance(answer, ErrorAnswer) or answer.status != 200:
-                    # A 4xx from the prefill node (prompt too long, bad parameter) is the client's to see.
-                    return answer
-                outcome = "broken"
-                try:
-                    raw = await answer.read_all(_MAX_PREFILL_ANSWER)
-                    outcome = "ok"
-                finally:
-                    answer.close(outcome)
-        except TimeoutError:
+            answer = await self._forwarder.open(leg)
+        except UpstreamTimeout:
             raise UpstreamTimeout(f"prefill leg did not finish within {total:g} s") from None
+        if isinstance(answer, ErrorAnswer) or answer.status != 200:
+            # A 4xx from the prefill node (prompt too long, bad parameter) is the client's to see.
+            return answer
+        outcome = "broken"
+        try:
+            raw = await answer.read_all(_MAX_PREFILL_ANSWER)
+            outcome = "ok"
+        finally:
+            answer.close(outcome)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -58,7 +59,9 @@ class Leg:
     """Header lines for the node, each ending in CRLF (see ``header_lines``)."""
     body: bytes
     timeout: float
-    """Seconds until response headers (the prefill leg uses its total timeout here)."""
+    """Seconds until response headers, per attempt."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which some attempt must have answered (the prefill leg's total timeout)."""
     affinity: str | None = None
     """Key the affinity policy routes by (session, user or prompt prefix); None for the others."""
 
@@ -150,6 +153,8 @@ class Forwarder:
         last_error: ProxyError | None = None
         last_answer: ErrorAnswer | None = None
         for attempt in range(self._attempts):
+            if leg.deadline is not None and time.monotonic() >= leg.deadline:
+                break
             role, candidates = self._candidates(leg)
             state = self._policies[role].choose(candidates, tried, leg.affinity)
             if state is None:
@@ -178,8 +183,9 @@ class Forwarder:
 
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
+        timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
         request = UpstreamRequest(origin=self._origin(node.url), path=leg.path, head=leg.head, body=leg.body,
-                                  timeout=leg.timeout, idle_timeout=self._idle)  # fmt: skip
+                                  timeout=timeout, idle_timeout=self._idle)  # fmt: skip
         state.in_flight += 1
         try:
             response = await self._transport.send(request)

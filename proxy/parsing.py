@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +67,8 @@ def read_headers(scope: Scope, *, session_header: bytes, backend_auth: bytes | N
             if name == session_header:
                 session = value
             forwarded.append((name, value))
-    rid = request_id.decode("ascii") if request_id is not None and _REQUEST_ID.match(request_id) else uuid.uuid4().hex
+    valid = request_id is not None and _REQUEST_ID.match(request_id)
+    rid = request_id.decode("ascii") if request_id is not None and valid else os.urandom(16).hex()
     forwarded.append((b"x-request-id", rid.encode("ascii")))
     if backend_auth is not None:
         forwarded.append((b"authorization", backend_auth))

@@ -68,15 +68,8 @@ class Relay:
         """Returns the HTTP status the client got (499 when it left first)."""
         status = 499
         watch = _DisconnectWatch(receive)
-
-        async def send_watched(message: Message) -> None:
-            # Once the last body message is out, uvicorn reports "disconnect" to receive(): not a client leaving.
-            if not message.get("more_body", False) and message["type"] == "http.response.body":
-                watch.finished = True
-            await send(message)
-
         try:
-            status = await self._run(exchange, send_watched, route, mode, request_id, started)
+            status = await self._run(exchange, send, watch, route, mode, request_id, started)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watch.gone or task is None:
@@ -88,23 +81,27 @@ class Relay:
             watch.stop()
         return status
 
-    async def _run(self, exchange: Exchange, send: Send, route: str, mode: str, request_id: str,
-                   started: float) -> int:  # fmt: skip
+    async def _run(self, exchange: Exchange, send: Send, watch: _DisconnectWatch, route: str, mode: str,
+                   request_id: str, started: float) -> int:  # fmt: skip
+        # Before the last body message goes out, the watch is told: once it is sent, uvicorn reports
+        # "disconnect" to receive(), which is not a client leaving.
         try:
             answer = await exchange()
         except ProxyError as exc:
+            watch.finished = True
             await send_error(send, exc, request_id)
             return exc.status
         if isinstance(answer, ErrorAnswer):
             headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
             await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+            watch.finished = True
             await send({"type": "http.response.body", "body": answer.body})
             return answer.status
-        await self._relay(answer, send, route, mode, request_id, started)
+        await self._relay(answer, send, watch, route, mode, request_id, started)
         return answer.status
 
-    async def _relay(self, upstream: Upstream, send: Send, route: str, mode: str, request_id: str,
-                     started: float) -> None:  # fmt: skip
+    async def _relay(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str, mode: str,
+                     request_id: str, started: float) -> None:  # fmt: skip
         outcome = "cancelled"
         response = upstream.response
         headers = client_headers(response.headers)
@@ -127,11 +124,13 @@ class Relay:
                 outcome = "broken"
                 log.warning("stream broken request_id=%s error=%s", request_id, exc.message)
                 if _is_event_stream(response.headers):
+                    watch.finished = True
                     await send({"type": "http.response.body", "body": sse_error_event(exc), "more_body": False})
                 # Otherwise leave the response unfinished: the server then drops the connection, so the client
                 # sees a truncated answer as an error instead of a complete-looking, cut-off JSON body.
                 return
             self._metrics.stream_chunks.inc(chunks)
+            watch.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome = "ok"
         finally:

@@ -116,7 +116,8 @@ class _Supervisor:
             if process.is_alive():
                 process.kill()
                 process.join(5)
-            failed += process.exitcode not in (0, None)
+            # Stopped by our SIGTERM before it had set up its own handling (it was still starting): nothing lost.
+            failed += process.exitcode not in (0, None, -signal.SIGTERM)
         return 1 if failed else 0
 
 
