@@ -18,7 +18,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
 from sim import disagg, protocol
 from sim.engine import Engine, Job, Record
@@ -27,9 +26,7 @@ from sim.metrics import make_registry
 from sim.middleware import ApiKey, ClientGone, NodeHeader, until_disconnect
 from sim.protocol import DONE_EVENT, GenRequest, Kind, Wire, token_text, usage
 from sim.settings import SimSettings
-
-CLIENT_CLOSED = 499
-"""Recorded status of a request whose client left first (nginx's convention; nothing is sent)."""
+from sim.sse import CLIENT_CLOSED, SSEResponse
 
 
 def _engine(request: Request) -> Engine:
@@ -57,51 +54,6 @@ async def _json_body(request: Request) -> Any:
         return json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"JSON decode error: {exc}") from None
-
-
-class SSEResponse(Response):
-    """text/event-stream whose headers go out only once the engine accepts the request (not while hung),
-    and whose generation is cancelled the moment the client disconnects."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        events: Callable[[Callable[[], Awaitable[None]]], AsyncGenerator[str, None]],
-        engine: Engine,
-        record: Record,
-        headers: dict[str, str],
-    ):
-        self.status_code = 200
-        self.background = None
-        self.init_headers(headers)
-        self.events = events
-        self.engine = engine
-        self.record = record
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def start() -> None:
-            nonlocal started
-            started = True
-            self.record.status = self.status_code
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def pump() -> None:
-            async with aclosing(self.events(start)) as events:
-                async for event in events:
-                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await until_disconnect(pump(), receive)
-        except (ClientGone, OSError):
-            pass
-        finally:
-            if not started:
-                self.record.status = CLIENT_CLOSED
-            self.engine.log(self.record)
 
 
 async def _generate(request: Request, kind: Kind) -> Response:
