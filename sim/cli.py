@@ -41,7 +41,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--node-id", str, defaults.node_id, "node id (default host:port)")
     add("--ttft", float, defaults.ttft, "seconds to the first token")
     add("--itl", float, defaults.itl, "seconds between tokens")
-    add("--output-len", int, defaults.output_len, "tokens before a simulated EOS when max_tokens allows")
+    add("--output-len", int, defaults.output_len, "answer length before a simulated EOS when max_tokens allows")
     add("--max-num-seqs", int, defaults.max_num_seqs, "concurrent sequences; more wait in a FIFO queue")
     add("--fail-rate", float, defaults.fail_rate, "fraction of requests answered with --fail-status")
     add("--fail-status", int, defaults.fail_status, "status of injected failures (500, 503, 429...)")

@@ -1,7 +1,9 @@
 """The fake engine: a FIFO scheduler with --max-num-seqs slots, timed token generation, request records, counters.
 
-No HTTP here: app.py turns a request into a ``Job`` and iterates ``Engine.generate(job)``. A generation that is
-not iterated to its end (client gone, task cancelled) is recorded as cancelled and frees its slot at once.
+No HTTP here: app.py turns a request into a ``Job`` (its answer already decided by ``sim.tokens``) and iterates
+``Engine.generate(job)``. A generation that is not iterated to its end (client gone, task cancelled) is recorded
+as cancelled and frees its slot at once. Time to the first token is ``ttft``, or one ``itl`` on a decode leg
+whose KV was pulled from a prefill node.
 """
 
 from __future__ import annotations
@@ -12,63 +14,17 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sim.errors import ApiError
+from sim.knobs import Knobs
 from sim.settings import SimSettings
 
 logger = logging.getLogger(__name__)
 
 MAX_RECORDS = 1000
 """Recent requests kept for GET /sim/requests."""
-
-
-@dataclass(kw_only=True)
-class Knobs:
-    """What a test may change at runtime through POST /sim/config; starts from SimSettings."""
-
-    ttft: float
-    itl: float
-    output_len: int
-    max_num_seqs: int
-    fail_rate: float
-    fail_status: int
-    fail_after_tokens: int
-    hang: bool
-    set_cookie: str
-    """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
-
-    @classmethod
-    def from_settings(cls, settings: SimSettings) -> Knobs:
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
-
-    def update(self, changes: dict[str, Any]) -> None:
-        """Apply a partial update; a bad name or value is a ValueError and changes nothing."""
-        validated: dict[str, Any] = {}
-        for name, value in changes.items():
-            current = getattr(self, name, None) if name in {f.name for f in fields(self)} else None
-            if current is None:
-                raise ValueError(f"unknown knob {name!r}")
-            if isinstance(current, str):
-                ok = isinstance(value, str)
-            elif isinstance(current, bool):
-                ok = isinstance(value, bool)
-            elif isinstance(current, int):
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            else:
-                ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
-            if not ok:
-                raise ValueError(f"bad value for {name}: {value!r}")
-            validated[name] = float(value) if isinstance(current, float) else value
-        if validated.get("max_num_seqs", self.max_num_seqs) < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if validated.get("fail_rate", self.fail_rate) > 1:
-            raise ValueError("fail_rate must be between 0 and 1")
-        if not 100 <= validated.get("fail_status", self.fail_status) <= 599:
-            raise ValueError("fail_status must be an HTTP status")
-        for name, value in validated.items():
-            setattr(self, name, value)
 
 
 class Slots:
@@ -148,10 +104,11 @@ class Record:
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """A validated generation: how many tokens, how the first one is timed, how it finishes."""
+    """A validated generation: its prompt, the tokens it will produce, how the first is timed, how it finishes."""
 
     record: Record
-    num_tokens: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
     finish_reason: str
     kv_loaded: bool
     """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
@@ -203,17 +160,10 @@ class Engine:
         self._next_block += count
         return blocks
 
-    def plan(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
-        """Tokens to generate and the finish reason: EOS after output_len unless max_tokens comes first."""
-        natural = self.knobs.output_len
-        if max_tokens is not None and (ignore_eos or max_tokens <= natural):
-            return max_tokens, "length"
-        return max(1, natural), "stop"
-
     async def generate(
         self, job: Job, on_accept: Callable[[], Awaitable[None]] | None = None
     ) -> AsyncGenerator[int, None]:
-        """Yield token indexes 0..n-1 on the simulated schedule, holding a sequence slot meanwhile.
+        """Yield the job's token ids on the simulated schedule, holding a sequence slot meanwhile.
 
         ``on_accept`` runs once the request is past a --hang (a streamed response sends its headers there);
         a hung request counts as running, like one stuck in a wedged engine.
@@ -236,7 +186,7 @@ class Engine:
                 record.state = "running"
                 await asyncio.sleep(self.knobs.itl if job.kv_loaded else self.knobs.ttft)
                 self.counters["prompt_tokens"] += record.prompt_tokens
-                for i in range(job.num_tokens):
+                for i, token in enumerate(job.tokens):
                     if i:
                         await asyncio.sleep(self.knobs.itl)
                     limit = self.knobs.fail_after_tokens
@@ -245,7 +195,7 @@ class Engine:
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
                     record.completion_tokens += 1
                     self.counters["generation_tokens"] += 1
-                    yield i
+                    yield token
                 outcome = "done"
             finally:
                 self.slots.release()

@@ -40,7 +40,8 @@ class SimSettings:
     itl: float = 0.005
     """Seconds between two generated tokens."""
     output_len: int = 16
-    """Tokens generated before a simulated EOS when max_tokens allows it (finish_reason "stop")."""
+    """Length of an answer before the simulated EOS (finish_reason "stop") when max_tokens allows it; counted
+    from the start of the answer, so a continuation ends where the original would (see sim/tokens.py)."""
     max_num_seqs: int = 64
     """Sequences generating at once, as vLLM's --max-num-seqs; more wait in a FIFO queue."""
     fail_rate: float = 0.0
