@@ -1,9 +1,10 @@
-"""The fake engine: a FIFO scheduler with --max-num-seqs slots, timed token generation, request records, counters.
+"""The fake engine: a FIFO scheduler with --max-num-seqs slots, a prefix cache, timed token generation, request
+records, counters.
 
 No HTTP here: app.py turns a request into a ``Job`` (its answer already decided by ``sim.tokens``) and iterates
 ``Engine.generate(job)``. A generation that is not iterated to its end (client gone, task cancelled) is recorded
-as cancelled and frees its slot at once. Time to the first token is ``ttft``, or one ``itl`` on a decode leg
-whose KV was pulled from a prefill node.
+as cancelled and frees its slot at once. Time to the first token is ``ttft + uncached prompt tokens *
+prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a prefill node.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 from sim.errors import ApiError
 from sim.knobs import Knobs
+from sim.prefix_cache import PrefixCache
 from sim.settings import SimSettings
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class Record:
     status: int | None = None
     cancelled: bool = False
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was scheduled."""
     completion_tokens: int = 0
     max_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -123,12 +127,14 @@ class Engine:
         self.slots = Slots(settings.max_num_seqs)
         self.records: deque[Record] = deque(maxlen=MAX_RECORDS)
         self.counters: Counter[str] = Counter()
-        """received, completed, cancelled, failed, rejected; plus prompt_tokens, generation_tokens."""
+        """received, completed, cancelled, failed, rejected; plus prompt_tokens, generation_tokens and the prefix
+        cache's prefix_cache_queries and prefix_cache_hits (tokens)."""
         self.finished: Counter[str] = Counter()
         """Finished requests by finish reason (stop, length, abort), for vllm:request_success_total."""
         self.started_at = time.monotonic()
         self._rng = rng or random.Random()
         self._unhung = asyncio.Event()
+        self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks)
         self._next_block = 1
         self.hung = 0
         self.apply_knobs({})
@@ -182,9 +188,15 @@ class Engine:
                 await on_accept()
             record.state = "waiting"
             await self.slots.acquire()
+            lease = self.cache.admit(job.prompt)
             try:
-                record.state = "running"
-                await asyncio.sleep(self.knobs.itl if job.kv_loaded else self.knobs.ttft)
+                record.state, record.cached_tokens = "running", lease.hit_tokens
+                self.counters["prefix_cache_queries"] = self.cache.queries
+                self.counters["prefix_cache_hits"] = self.cache.hits
+                uncached = len(job.prompt) - lease.hit_tokens
+                await asyncio.sleep(
+                    self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
+                )
                 self.counters["prompt_tokens"] += record.prompt_tokens
                 for i, token in enumerate(job.tokens):
                     if i:
@@ -194,10 +206,12 @@ class Engine:
                         outcome = "failed"
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
                     record.completion_tokens += 1
+                    lease.tokens += 1
                     self.counters["generation_tokens"] += 1
                     yield token
                 outcome = "done"
             finally:
+                self.cache.release(lease, job.tokens[: record.completion_tokens])
                 self.slots.release()
         finally:
             record.state = outcome
@@ -213,9 +227,10 @@ class Engine:
     def log(self, record: Record) -> None:
         """One line per request; ids and counts only, never the prompt or a key."""
         logger.info(
-            "request id=%s request_id=%s path=%s status=%s state=%s prompt_tokens=%d completion_tokens=%d",
+            "request id=%s request_id=%s path=%s status=%s state=%s prompt_tokens=%d cached_tokens=%d "
+            "completion_tokens=%d",
             record.id or "-", record.request_id or "-", record.path, record.status, record.state,
-            record.prompt_tokens, record.completion_tokens,
+            record.prompt_tokens, record.cached_tokens, record.completion_tokens,
         )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
@@ -227,5 +242,6 @@ class Engine:
             "running": self.running,
             "waiting": self.slots.waiting,
             "counters": dict(self.counters),
+            "kv_cache": self.cache.stats(),
             "requests": [r.to_json() for r in self.records],
         }

@@ -15,6 +15,7 @@ class Knobs:
 
     ttft: float
     itl: float
+    prefill_per_token: float
     output_len: int
     max_num_seqs: int
     fail_rate: float

@@ -39,6 +39,8 @@ class SimSettings:
     """Seconds from being scheduled to the first token (the simulated prefill)."""
     itl: float = 0.005
     """Seconds between two generated tokens."""
+    prefill_per_token: float = 0.0
+    """Seconds added to ttft per prompt token not found in the prefix cache (0: ttft ignores the cache)."""
     output_len: int = 16
     """Length of an answer before the simulated EOS (finish_reason "stop") when max_tokens allows it; counted
     from the start of the answer, so a continuation ends where the original would (see sim/tokens.py)."""
@@ -67,7 +69,9 @@ class SimSettings:
     side_channel_port: int = 5600
     """Port announced as remote_port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default); nothing listens on it."""
     block_size: int = 16
-    """Tokens per simulated KV block, to size remote_block_ids."""
+    """Tokens per KV block (vLLM's --block-size): the prefix cache's unit, and what sizes remote_block_ids."""
+    cache_blocks: int = 4096
+    """KV blocks of the simulated cache (64k tokens at block size 16); 0 disables prefix caching."""
     log_level: str = "info"
     """Python logging level name."""
 

@@ -359,8 +359,12 @@ async def test_non_streamed_disconnect_cancels_and_frees_the_slot(sim_logs: Path
 
 
 def test_every_flag_reads_its_environment_variable() -> None:
-    env = {"VLLM_SIM_TTFT": "0.5", "VLLM_SIM_MODEL": "a, b", "VLLM_SIM_HANG": "true", "VLLM_SIM_ROLE": "decode"}
-    settings = parse_settings(["--port", "9000", "--max-num-seqs", "2"], env)
+    env = {"VLLM_SIM_TTFT": "0.5", "VLLM_SIM_MODEL": "a, b", "VLLM_SIM_HANG": "true", "VLLM_SIM_ROLE": "decode",
+           "VLLM_SIM_PREFILL_PER_TOKEN": "0.001", "VLLM_SIM_CACHE_BLOCKS": "0"}
+    settings = parse_settings(["--port", "9000", "--max-num-seqs", "2", "--block-size", "32"], env)
     assert (settings.ttft, settings.models, settings.hang, settings.role) == (0.5, ("a", "b"), True, Role.DECODE)
     assert (settings.port, settings.max_num_seqs, settings.name) == (9000, 2, "127.0.0.1:9000")
+    assert (settings.prefill_per_token, settings.cache_blocks, settings.block_size) == (0.001, 0, 32)
     assert parse_settings(["--model", "c"], env).models == ("c",)
+    defaults = parse_settings([], {})
+    assert (defaults.block_size, defaults.cache_blocks, defaults.prefill_per_token) == (16, 4096, 0.0)
