@@ -54,6 +54,10 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--hang", action="store_true", default=env.get("VLLM_SIM_HANG", "").lower() in _TRUE,
         help="accept inference requests but never answer them",
     )  # fmt: skip
+    add(
+        "--hang-after-tokens", int, defaults.hang_after_tokens,
+        "every generation stops sending, without closing, after N tokens (0: never)",
+    )  # fmt: skip
     add("--startup-delay", float, defaults.startup_delay, "seconds /health answers 503 after start")
     add("--unhealthy-file", str, "", "while this file exists /health answers 503")
     add("--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
@@ -77,8 +81,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--role must be one of {', '.join(Role)}")
     if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
         parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
-    if args.block_size < 1 or min(args.cache_blocks, args.prefill_per_token) < 0:
-        parser.error("need --block-size >= 1, --cache-blocks and --prefill-per-token >= 0")
+    if args.block_size < 1 or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens) < 0:
+        parser.error("need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens >= 0")
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -94,6 +98,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         fail_status=args.fail_status,
         fail_after_tokens=args.fail_after_tokens,
         hang=args.hang,
+        hang_after_tokens=args.hang_after_tokens,
         startup_delay=args.startup_delay,
         unhealthy_file=Path(args.unhealthy_file) if args.unhealthy_file else None,
         api_key=args.api_key or None,

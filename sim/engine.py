@@ -89,7 +89,8 @@ class Record:
     model: str | None = None
     stream: bool = False
     state: str = "received"
-    """received -> [hung ->] waiting -> running -> done | cancelled | failed; or rejected (an error answer)."""
+    """received -> [hung ->] waiting -> running [-> hung (hang_after_tokens) ...] -> done | cancelled | failed;
+    or rejected (an error answer)."""
     status: int | None = None
     cancelled: bool = False
     prompt_tokens: int = 0
@@ -134,6 +135,7 @@ class Engine:
         self.started_at = time.monotonic()
         self._rng = rng or random.Random()
         self._unhung = asyncio.Event()
+        self._knobs_changed = asyncio.Event()
         self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks)
         self._next_block = 1
         self.hung = 0
@@ -142,6 +144,8 @@ class Engine:
     def apply_knobs(self, changes: dict[str, Any]) -> None:
         self.knobs.update(changes)
         self.slots.set_limit(self.knobs.max_num_seqs)
+        changed, self._knobs_changed = self._knobs_changed, asyncio.Event()
+        changed.set()
         if self.knobs.hang:
             self._unhung.clear()
         else:
@@ -205,6 +209,7 @@ class Engine:
                     if limit and i >= limit:
                         outcome = "failed"
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
+                    await self._stall(record, i)
                     record.completion_tokens += 1
                     lease.tokens += 1
                     self.counters["generation_tokens"] += 1
@@ -218,6 +223,14 @@ class Engine:
             record.cancelled = outcome == "cancelled"
             self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
             self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+
+    async def _stall(self, record: Record, sent: int) -> None:
+        """hang_after_tokens: after that many tokens send nothing more, keeping the connection and the slot,
+        until the client leaves or the knob no longer applies."""
+        while (limit := self.knobs.hang_after_tokens) and sent >= limit:
+            record.state = "hung"
+            await self._knobs_changed.wait()
+        record.state = "running"
 
     @property
     def running(self) -> int:

@@ -22,6 +22,7 @@ class Knobs:
     fail_status: int
     fail_after_tokens: int
     hang: bool
+    hang_after_tokens: int
     set_cookie: str
     """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
 

@@ -54,6 +54,9 @@ class SimSettings:
     """When > 0, every generation fails after this many tokens (streams end with an error event)."""
     hang: bool = False
     """Accept and schedule inference requests but never answer them (until hang is switched off)."""
+    hang_after_tokens: int = 0
+    """When > 0, every generation stops sending after this many tokens without closing (until the client leaves
+    or the knob is raised or set to 0)."""
     set_cookie: str = ""
     """A ``Set-Cookie`` value sent with every completion response (empty: none), as a cookie-setting gateway."""
     startup_delay: float = 0.0

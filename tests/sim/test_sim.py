@@ -294,6 +294,30 @@ async def test_hang_never_answers_until_released(sim_logs: Path) -> None:
             assert (await pending).status_code == 200
 
 
+async def test_hang_after_tokens_stalls_a_stream_midway_without_closing_it(sim_logs: Path) -> None:
+    with SimNode(sim_logs, itl=0.001) as stalling:
+        stalling.configure(hang_after_tokens=3)
+        payload = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
+        async with httpx.AsyncClient(timeout=10.0) as c:
+            async with c.stream("POST", f"{stalling.url}/v1/completions", json=payload,
+                                headers={"X-Request-Id": "ha1"}) as r:  # fmt: skip
+                lines = r.aiter_lines()
+                received = 0
+                while received < 3:
+                    received += (await anext(lines)).startswith("data: ")
+                seen = await asyncio.to_thread(stalling.wait_for_request, request_id="ha1", state="hung")
+                assert seen["completion_tokens"] == 3 and gauge(stalling.metrics(), "vllm:num_requests_running") == 1
+                stalling.configure(hang_after_tokens=0)
+                rest = [line async for line in lines if line.startswith("data: ")]
+            assert len(rest) == 5 + 1 and rest[-1] == "data: [DONE]"
+            stalling.configure(hang_after_tokens=1)
+            async with c.stream("POST", f"{stalling.url}/v1/completions", json=payload,
+                                headers={"X-Request-Id": "ha2"}) as r:  # fmt: skip
+                await asyncio.to_thread(stalling.wait_for_request, request_id="ha2", state="hung")
+        left = await asyncio.to_thread(stalling.wait_for_request, request_id="ha2", cancelled=True)
+        assert left["completion_tokens"] == 1 and stalling.snapshot()["running"] == 0
+
+
 async def test_health_follows_unhealthy_file(sim_logs: Path, tmp_path: Path) -> None:
     flag = tmp_path / "unhealthy"
     with SimNode(sim_logs, unhealthy_file=flag) as flippable:
@@ -360,11 +384,12 @@ async def test_non_streamed_disconnect_cancels_and_frees_the_slot(sim_logs: Path
 
 def test_every_flag_reads_its_environment_variable() -> None:
     env = {"VLLM_SIM_TTFT": "0.5", "VLLM_SIM_MODEL": "a, b", "VLLM_SIM_HANG": "true", "VLLM_SIM_ROLE": "decode",
-           "VLLM_SIM_PREFILL_PER_TOKEN": "0.001", "VLLM_SIM_CACHE_BLOCKS": "0"}
+           "VLLM_SIM_PREFILL_PER_TOKEN": "0.001", "VLLM_SIM_CACHE_BLOCKS": "0", "VLLM_SIM_HANG_AFTER_TOKENS": "4"}
     settings = parse_settings(["--port", "9000", "--max-num-seqs", "2", "--block-size", "32"], env)
     assert (settings.ttft, settings.models, settings.hang, settings.role) == (0.5, ("a", "b"), True, Role.DECODE)
     assert (settings.port, settings.max_num_seqs, settings.name) == (9000, 2, "127.0.0.1:9000")
     assert (settings.prefill_per_token, settings.cache_blocks, settings.block_size) == (0.001, 0, 32)
+    assert settings.hang_after_tokens == 4
     assert parse_settings(["--model", "c"], env).models == ("c",)
     defaults = parse_settings([], {})
     assert (defaults.block_size, defaults.cache_blocks, defaults.prefill_per_token) == (16, 4096, 0.0)

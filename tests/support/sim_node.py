@@ -119,7 +119,7 @@ class SimNode:
 
     def configure(self, **changes: Any) -> dict[str, Any]:
         """POST /sim/config: ttft, itl, prefill_per_token, output_len, max_num_seqs, fail_rate, fail_status,
-        fail_after_tokens, hang, set_cookie."""
+        fail_after_tokens, hang, hang_after_tokens, set_cookie."""
         response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
