@@ -18,18 +18,16 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from sim import disagg, protocol
+from sim import disagg, protocol, tokens
 from sim.engine import Engine, Job, Record
 from sim.errors import ApiError, bad_request
 from sim.metrics import make_registry
 from sim.middleware import ApiKey, ClientGone, NodeHeader, until_disconnect
-from sim.protocol import DONE_EVENT, GenRequest, Kind, Wire, token_text, usage
+from sim.protocol import GenRequest, Kind
 from sim.settings import SimSettings
-
-CLIENT_CLOSED = 499
-"""Recorded status of a request whose client left first (nginx's convention; nothing is sent)."""
+from sim.sse import CLIENT_CLOSED, SSEResponse
+from sim.wire import DONE_EVENT, Wire, model_list, usage
 
 
 def _engine(request: Request) -> Engine:
@@ -59,51 +57,6 @@ async def _json_body(request: Request) -> Any:
         raise bad_request(f"JSON decode error: {exc}") from None
 
 
-class SSEResponse(Response):
-    """text/event-stream whose headers go out only once the engine accepts the request (not while hung),
-    and whose generation is cancelled the moment the client disconnects."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self,
-        events: Callable[[Callable[[], Awaitable[None]]], AsyncGenerator[str, None]],
-        engine: Engine,
-        record: Record,
-        headers: dict[str, str],
-    ):
-        self.status_code = 200
-        self.background = None
-        self.init_headers(headers)
-        self.events = events
-        self.engine = engine
-        self.record = record
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def start() -> None:
-            nonlocal started
-            started = True
-            self.record.status = self.status_code
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-
-        async def pump() -> None:
-            async with aclosing(self.events(start)) as events:
-                async for event in events:
-                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        try:
-            await until_disconnect(pump(), receive)
-        except (ClientGone, OSError):
-            pass
-        finally:
-            if not started:
-                self.record.status = CLIENT_CLOSED
-            self.engine.log(self.record)
-
-
 async def _generate(request: Request, kind: Kind) -> Response:
     engine = _engine(request)
     settings = engine.settings
@@ -114,7 +67,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         record.max_tokens, record.kv_transfer_params = req.max_tokens, req.kv_transfer_params
         protocol.check_model(req.model, settings.models)
         protocol.check_context(req, settings.max_model_len)
-        wire = Wire(kind, record.request_id or req.body_request_id, settings.served_model)
+        wire = Wire(req, record.request_id or req.body_request_id, settings.served_model)
         record.id = wire.id
         if engine.should_fail():
             raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
@@ -122,8 +75,16 @@ async def _generate(request: Request, kind: Kind) -> Response:
         engine.reject(record, exc.status)
         raise
     leg = disagg.classify(settings, req.kv_transfer_params)
-    num_tokens, finish = (1, "length") if leg.prefill else engine.plan(req.max_tokens, req.ignore_eos)
-    job = Job(record=record, num_tokens=num_tokens, finish_reason=finish, kv_loaded=leg.pulled_from is not None)
+    # A prefill leg computes the prompt and one token (the decode leg's first token too, the answer being a
+    # function of the context).
+    answer = tokens.complete(
+        req.prompt_ids, max_tokens=1 if leg.prefill else req.max_tokens, output_len=engine.knobs.output_len,
+        ignore_eos=req.ignore_eos,
+    )  # fmt: skip
+    job = Job(
+        record=record, prompt=req.prompt_ids, tokens=answer.tokens, finish_reason=answer.finish_reason,
+        kv_loaded=leg.pulled_from is not None,
+    )  # fmt: skip
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
     if engine.knobs.set_cookie:
@@ -132,12 +93,12 @@ async def _generate(request: Request, kind: Kind) -> Response:
         return SSEResponse(lambda start: _events(engine, job, req, wire, start), engine, record, headers)
 
     async def collect() -> Response:
-        text = ""
-        async with aclosing(engine.generate(job)) as tokens:
-            async for i in tokens:
-                text += token_text(i)
+        generated: list[int] = []
+        async with aclosing(engine.generate(job)) as stream:
+            async for token in stream:
+                generated.append(token)
         kv = disagg.prefill_result(engine, record, wire) if leg.prefill else None
-        body = wire.full(text, finish, usage(req.prompt_tokens, record.completion_tokens), kv)
+        body = wire.full(generated, job.finish_reason, usage(req.prompt_tokens, len(generated)), kv)
         return JSONResponse(body, headers=headers)
 
     try:
@@ -154,16 +115,25 @@ async def _generate(request: Request, kind: Kind) -> Response:
 async def _events(
     engine: Engine, job: Job, req: GenRequest, wire: Wire, start: Callable[[], Awaitable[None]]
 ) -> AsyncGenerator[str, None]:
-    """The SSE body: [role chunk] token chunks (finish_reason on the last) [usage chunk] [DONE]."""
-    role = wire.role_event()
+    """The SSE body: [role chunk] token chunks (finish_reason on the last) [usage chunk] [DONE].
+
+    An answer that ends at once (its context already at EOS) has one empty chunk carrying finish_reason."""
+    role = wire.role_event(usage(req.prompt_tokens, 0) if req.continuous_usage else None)
+    last = len(job.tokens) - 1
+    sent = 0
     try:
-        async with aclosing(engine.generate(job, on_accept=start)) as tokens:
-            async for i in tokens:
-                if i == 0 and role is not None:
+        async with aclosing(engine.generate(job, on_accept=start)) as stream:
+            async for token in stream:
+                if sent == 0 and role is not None:
                     yield role
-                finish = job.finish_reason if i == job.num_tokens - 1 else None
-                use = usage(req.prompt_tokens, i + 1) if req.continuous_usage else None
-                yield wire.token_event(token_text(i), finish, use)
+                sent += 1
+                use = usage(req.prompt_tokens, sent) if req.continuous_usage else None
+                yield wire.token_event([token], job.finish_reason if sent - 1 == last else None, use, sent == 1)
+        if not job.tokens:
+            if role is not None:
+                yield role
+            use = usage(req.prompt_tokens, 0) if req.continuous_usage else None
+            yield wire.token_event([], job.finish_reason, use, True)
     except ApiError as exc:
         yield wire.error_event(exc)
         yield DONE_EVENT
@@ -191,7 +161,7 @@ async def health(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     settings = _engine(request).settings
-    return JSONResponse(protocol.model_list(settings.models, settings.max_model_len))
+    return JSONResponse(model_list(settings.models, settings.max_model_len))
 
 
 async def metrics(request: Request) -> Response:
@@ -203,38 +173,36 @@ async def version(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    """vLLM's /tokenize, roughly: one token per whitespace-separated word, ids stable per word."""
+    """vLLM's /tokenize: a ``prompt`` text, or ``messages`` rendered by the chat template."""
     engine, record = _engine(request), _record(request)
     try:
         body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise bad_request("The request body must be a JSON object.")
+        ids = protocol.tokenize_ids(body)
         protocol.check_model(body.get("model"), engine.settings.models)
-        words = str(body.get("prompt", "")).split()
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
-    record.status, record.state, record.prompt_tokens = 200, "done", len(words)
+    record.status, record.state, record.prompt_tokens = 200, "done", len(ids)
     engine.log(record)
-    tokens = [sum(w.encode()) % 32000 for w in words]
+    strs = [tokens.token_text(t) for t in ids] if body.get("return_token_strs") is True else None
     return JSONResponse(
-        {"count": len(tokens), "max_model_len": engine.settings.max_model_len, "tokens": tokens, "token_strs": None}
+        {"count": len(ids), "max_model_len": engine.settings.max_model_len, "tokens": ids, "token_strs": strs}
     )
 
 
 async def detokenize(request: Request) -> Response:
+    """vLLM's /detokenize: the text of token ids (each token's word after a space)."""
     engine, record = _engine(request), _record(request)
     try:
         body = await _json_body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
-            raise bad_request("`tokens` must be a list of token ids.", "tokens")
+        ids = protocol.detokenize_ids(body)
         protocol.check_model(body.get("model"), engine.settings.models)
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
     record.status, record.state = 200, "done"
     engine.log(record)
-    return JSONResponse({"prompt": " ".join(f"tok{t}" for t in body["tokens"])})
+    return JSONResponse({"prompt": tokens.decode(ids)})
 
 
 async def unknown_post(request: Request) -> Response:

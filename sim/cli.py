@@ -41,7 +41,11 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--node-id", str, defaults.node_id, "node id (default host:port)")
     add("--ttft", float, defaults.ttft, "seconds to the first token")
     add("--itl", float, defaults.itl, "seconds between tokens")
-    add("--output-len", int, defaults.output_len, "tokens before a simulated EOS when max_tokens allows")
+    add(
+        "--prefill-per-token", float, defaults.prefill_per_token,
+        "seconds added to --ttft per prompt token not found in the prefix cache",
+    )  # fmt: skip
+    add("--output-len", int, defaults.output_len, "answer length before a simulated EOS when max_tokens allows")
     add("--max-num-seqs", int, defaults.max_num_seqs, "concurrent sequences; more wait in a FIFO queue")
     add("--fail-rate", float, defaults.fail_rate, "fraction of requests answered with --fail-status")
     add("--fail-status", int, defaults.fail_status, "status of injected failures (500, 503, 429...)")
@@ -50,10 +54,16 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--hang", action="store_true", default=env.get("VLLM_SIM_HANG", "").lower() in _TRUE,
         help="accept inference requests but never answer them",
     )  # fmt: skip
+    add(
+        "--hang-after-tokens", int, defaults.hang_after_tokens,
+        "every generation stops sending, without closing, after N tokens (0: never)",
+    )  # fmt: skip
     add("--startup-delay", float, defaults.startup_delay, "seconds /health answers 503 after start")
     add("--unhealthy-file", str, "", "while this file exists /health answers 503")
     add("--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
     add("--max-model-len", int, defaults.max_model_len, "context length in tokens")
+    add("--block-size", int, defaults.block_size, "tokens per KV block (prefix cache, remote_block_ids)")
+    add("--cache-blocks", int, defaults.cache_blocks, "KV blocks of the prefix cache (0: no prefix caching)")
     add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
     add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
     add("--log-level", str, defaults.log_level, "debug, info, warning, error")
@@ -71,6 +81,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--role must be one of {', '.join(Role)}")
     if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
         parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
+    if args.block_size < 1 or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens) < 0:
+        parser.error("need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens >= 0")
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -79,16 +91,20 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         node_id=args.node_id,
         ttft=args.ttft,
         itl=args.itl,
+        prefill_per_token=args.prefill_per_token,
         output_len=args.output_len,
         max_num_seqs=args.max_num_seqs,
         fail_rate=args.fail_rate,
         fail_status=args.fail_status,
         fail_after_tokens=args.fail_after_tokens,
         hang=args.hang,
+        hang_after_tokens=args.hang_after_tokens,
         startup_delay=args.startup_delay,
         unhealthy_file=Path(args.unhealthy_file) if args.unhealthy_file else None,
         api_key=args.api_key or None,
         max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
         log_level=args.log_level,

@@ -1,7 +1,10 @@
-"""The fake engine: a FIFO scheduler with --max-num-seqs slots, timed token generation, request records, counters.
+"""The fake engine: a FIFO scheduler with --max-num-seqs slots, a prefix cache, timed token generation, request
+records, counters.
 
-No HTTP here: app.py turns a request into a ``Job`` and iterates ``Engine.generate(job)``. A generation that is
-not iterated to its end (client gone, task cancelled) is recorded as cancelled and frees its slot at once.
+No HTTP here: app.py turns a request into a ``Job`` (its answer already decided by ``sim.tokens``) and iterates
+``Engine.generate(job)``. A generation that is not iterated to its end (client gone, task cancelled) is recorded
+as cancelled and frees its slot at once. Time to the first token is ``ttft + uncached prompt tokens *
+prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a prefill node.
 """
 
 from __future__ import annotations
@@ -12,63 +15,18 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sim.errors import ApiError
+from sim.knobs import Knobs
+from sim.prefix_cache import PrefixCache
 from sim.settings import SimSettings
 
 logger = logging.getLogger(__name__)
 
 MAX_RECORDS = 1000
 """Recent requests kept for GET /sim/requests."""
-
-
-@dataclass(kw_only=True)
-class Knobs:
-    """What a test may change at runtime through POST /sim/config; starts from SimSettings."""
-
-    ttft: float
-    itl: float
-    output_len: int
-    max_num_seqs: int
-    fail_rate: float
-    fail_status: int
-    fail_after_tokens: int
-    hang: bool
-    set_cookie: str
-    """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
-
-    @classmethod
-    def from_settings(cls, settings: SimSettings) -> Knobs:
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
-
-    def update(self, changes: dict[str, Any]) -> None:
-        """Apply a partial update; a bad name or value is a ValueError and changes nothing."""
-        validated: dict[str, Any] = {}
-        for name, value in changes.items():
-            current = getattr(self, name, None) if name in {f.name for f in fields(self)} else None
-            if current is None:
-                raise ValueError(f"unknown knob {name!r}")
-            if isinstance(current, str):
-                ok = isinstance(value, str)
-            elif isinstance(current, bool):
-                ok = isinstance(value, bool)
-            elif isinstance(current, int):
-                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-            else:
-                ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
-            if not ok:
-                raise ValueError(f"bad value for {name}: {value!r}")
-            validated[name] = float(value) if isinstance(current, float) else value
-        if validated.get("max_num_seqs", self.max_num_seqs) < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if validated.get("fail_rate", self.fail_rate) > 1:
-            raise ValueError("fail_rate must be between 0 and 1")
-        if not 100 <= validated.get("fail_status", self.fail_status) <= 599:
-            raise ValueError("fail_status must be an HTTP status")
-        for name, value in validated.items():
-            setattr(self, name, value)
 
 
 class Slots:
@@ -131,10 +89,13 @@ class Record:
     model: str | None = None
     stream: bool = False
     state: str = "received"
-    """received -> [hung ->] waiting -> running -> done | cancelled | failed; or rejected (an error answer)."""
+    """received -> [hung ->] waiting -> running [-> hung (hang_after_tokens) ...] -> done | cancelled | failed;
+    or rejected (an error answer)."""
     status: int | None = None
     cancelled: bool = False
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was scheduled."""
     completion_tokens: int = 0
     max_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -148,10 +109,11 @@ class Record:
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """A validated generation: how many tokens, how the first one is timed, how it finishes."""
+    """A validated generation: its prompt, the tokens it will produce, how the first is timed, how it finishes."""
 
     record: Record
-    num_tokens: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
     finish_reason: str
     kv_loaded: bool
     """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
@@ -166,12 +128,15 @@ class Engine:
         self.slots = Slots(settings.max_num_seqs)
         self.records: deque[Record] = deque(maxlen=MAX_RECORDS)
         self.counters: Counter[str] = Counter()
-        """received, completed, cancelled, failed, rejected; plus prompt_tokens, generation_tokens."""
+        """received, completed, cancelled, failed, rejected; plus prompt_tokens, generation_tokens and the prefix
+        cache's prefix_cache_queries and prefix_cache_hits (tokens)."""
         self.finished: Counter[str] = Counter()
         """Finished requests by finish reason (stop, length, abort), for vllm:request_success_total."""
         self.started_at = time.monotonic()
         self._rng = rng or random.Random()
         self._unhung = asyncio.Event()
+        self._knobs_changed = asyncio.Event()
+        self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks)
         self._next_block = 1
         self.hung = 0
         self.apply_knobs({})
@@ -179,6 +144,8 @@ class Engine:
     def apply_knobs(self, changes: dict[str, Any]) -> None:
         self.knobs.update(changes)
         self.slots.set_limit(self.knobs.max_num_seqs)
+        changed, self._knobs_changed = self._knobs_changed, asyncio.Event()
+        changed.set()
         if self.knobs.hang:
             self._unhung.clear()
         else:
@@ -203,17 +170,10 @@ class Engine:
         self._next_block += count
         return blocks
 
-    def plan(self, max_tokens: int | None, ignore_eos: bool) -> tuple[int, str]:
-        """Tokens to generate and the finish reason: EOS after output_len unless max_tokens comes first."""
-        natural = self.knobs.output_len
-        if max_tokens is not None and (ignore_eos or max_tokens <= natural):
-            return max_tokens, "length"
-        return max(1, natural), "stop"
-
     async def generate(
         self, job: Job, on_accept: Callable[[], Awaitable[None]] | None = None
     ) -> AsyncGenerator[int, None]:
-        """Yield token indexes 0..n-1 on the simulated schedule, holding a sequence slot meanwhile.
+        """Yield the job's token ids on the simulated schedule, holding a sequence slot meanwhile.
 
         ``on_accept`` runs once the request is past a --hang (a streamed response sends its headers there);
         a hung request counts as running, like one stuck in a wedged engine.
@@ -232,28 +192,45 @@ class Engine:
                 await on_accept()
             record.state = "waiting"
             await self.slots.acquire()
+            lease = self.cache.admit(job.prompt)
             try:
-                record.state = "running"
-                await asyncio.sleep(self.knobs.itl if job.kv_loaded else self.knobs.ttft)
+                record.state, record.cached_tokens = "running", lease.hit_tokens
+                self.counters["prefix_cache_queries"] = self.cache.queries
+                self.counters["prefix_cache_hits"] = self.cache.hits
+                uncached = len(job.prompt) - lease.hit_tokens
+                await asyncio.sleep(
+                    self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
+                )
                 self.counters["prompt_tokens"] += record.prompt_tokens
-                for i in range(job.num_tokens):
+                for i, token in enumerate(job.tokens):
                     if i:
                         await asyncio.sleep(self.knobs.itl)
                     limit = self.knobs.fail_after_tokens
                     if limit and i >= limit:
                         outcome = "failed"
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
+                    await self._stall(record, i)
                     record.completion_tokens += 1
+                    lease.tokens += 1
                     self.counters["generation_tokens"] += 1
-                    yield i
+                    yield token
                 outcome = "done"
             finally:
+                self.cache.release(lease, job.tokens[: record.completion_tokens])
                 self.slots.release()
         finally:
             record.state = outcome
             record.cancelled = outcome == "cancelled"
             self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
             self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+
+    async def _stall(self, record: Record, sent: int) -> None:
+        """hang_after_tokens: after that many tokens send nothing more, keeping the connection and the slot,
+        until the client leaves or the knob no longer applies."""
+        while (limit := self.knobs.hang_after_tokens) and sent >= limit:
+            record.state = "hung"
+            await self._knobs_changed.wait()
+        record.state = "running"
 
     @property
     def running(self) -> int:
@@ -263,9 +240,10 @@ class Engine:
     def log(self, record: Record) -> None:
         """One line per request; ids and counts only, never the prompt or a key."""
         logger.info(
-            "request id=%s request_id=%s path=%s status=%s state=%s prompt_tokens=%d completion_tokens=%d",
+            "request id=%s request_id=%s path=%s status=%s state=%s prompt_tokens=%d cached_tokens=%d "
+            "completion_tokens=%d",
             record.id or "-", record.request_id or "-", record.path, record.status, record.state,
-            record.prompt_tokens, record.completion_tokens,
+            record.prompt_tokens, record.cached_tokens, record.completion_tokens,
         )  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
@@ -277,5 +255,6 @@ class Engine:
             "running": self.running,
             "waiting": self.slots.waiting,
             "counters": dict(self.counters),
+            "kv_cache": self.cache.stats(),
             "requests": [r.to_json() for r in self.records],
         }

@@ -1,7 +1,8 @@
 """GET /metrics: a few of vLLM V1's Prometheus metrics (vllm/v1/metrics/loggers.py), read from the engine.
 
 Same names and labels as vLLM (``model_name`` is the first served name, ``engine`` the engine index "0"), no
-``_created`` series (vLLM disables them). A collector on a per-app registry: nothing global.
+``_created`` series (vLLM disables them); counters are named without ``_total``, which prometheus_client appends
+(``vllm:prefix_cache_hits_total``). A collector on a per-app registry: nothing global.
 """
 
 from __future__ import annotations
@@ -38,8 +39,16 @@ class EngineCollector(Collector):
         slots = engine.slots
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", engine.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", slots.waiting)
-        yield gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", slots.running / slots.limit
+        # With the prefix cache off the node has no block accounting: usage falls back to busy sequence slots.
+        usage = engine.cache.usage if engine.cache.enabled else slots.running / slots.limit
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            engine.cache.queries,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", engine.cache.hits
         )
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", engine.counters["prompt_tokens"])
         yield counter(

@@ -1,21 +1,30 @@
-"""vLLM's OpenAI-compatible wire format (0.10/0.11): request parsing and response bodies, without any I/O.
+"""vLLM's OpenAI-compatible requests (0.10/0.11): validating /v1/completions, /v1/chat/completions and /tokenize
+bodies into token ids, without any I/O. Response bodies are in ``wire``.
 
-Field sets and their order follow vllm/entrypoints/openai/protocol.py; which fields appear follows how
-serving_completion.py / serving_chat.py serialise them: non-streamed bodies are ``model_dump()`` (every field,
-nulls included), completion chunks ``exclude_unset=False``, chat chunks ``exclude_unset=True``, and the final
-usage-only chunk additionally ``exclude_none=True``.
+Field sets and checks follow vllm/entrypoints/openai/protocol.py and the preprocessing of serving_chat.py /
+serving_completion.py; prompts become ids with the simulated tokenizer and chat template (``tokens``).
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from sim import tokens
 from sim.errors import ApiError, bad_request
+
+BOTH_PROMPT_FLAGS = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+"""ChatCompletionRequest.check_generation_prompt, when both are sent as true."""
+_TEMPLATE_CONFLICT = (
+    "continue_final_message and add_generation_prompt are not compatible. Use continue_final_message when you want "
+    "the model to continue the final message, and add_generation_prompt when you want to add a header that will "
+    "prompt it to start a new assistant message instead."
+)
+TEMPLATE_CONFLICT = f"{_TEMPLATE_CONFLICT} {_TEMPLATE_CONFLICT}"
+"""continue_final_message with add_generation_prompt left to its default (true): the validator reads the raw body
+and lets it through, transformers' apply_chat_template raises, vLLM re-raises it as a ValueError from the original
+and answers 400 with ``f"{e} {e.__cause__}"``, hence the message twice."""
 
 
 class Kind(StrEnum):
@@ -30,7 +39,8 @@ class GenRequest:
     kind: Kind
     model: str | None
     """The requested name; None means the first served model, as in vLLM."""
-    prompt_tokens: int
+    prompt_ids: tuple[int, ...]
+    """The prompt as the engine sees it: tokenized text, the ids sent, or the rendered chat."""
     max_tokens: int | None
     ignore_eos: bool
     stream: bool
@@ -38,42 +48,79 @@ class GenRequest:
     continuous_usage: bool
     kv_transfer_params: dict[str, Any] | None
     body_request_id: str | None
+    return_token_ids: bool
+    role: str = "assistant"
+    """The answer's role: the last message's when add_generation_prompt is false (get_chat_request_role)."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
-def dumps(obj: Any) -> str:
-    """Compact JSON, as pydantic's model_dump_json and starlette's JSONResponse write it."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def _token_list(value: Any) -> list[int] | None:
+    """``value`` as token ids if it is a non-empty list of ints; an id outside the vocabulary is a 400."""
+    if not isinstance(value, list) or not value:
+        return None
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return None
+    bad = next((t for t in value if not tokens.in_vocab(t)), None)
+    if bad is not None:
+        raise bad_request(f"Token id {bad} is out of vocabulary", "prompt")
+    return list(value)
 
 
-def _words(text: str) -> int:
-    return len(text.split())
-
-
-def _count_prompt(prompt: Any) -> int:
+def prompt_ids(prompt: Any) -> list[int]:
+    """A completions ``prompt``: text, token ids, or a batch of one of those."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
     if isinstance(prompt, str):
-        return _words(prompt)
+        return tokens.encode(prompt)
+    ids = _token_list(prompt)
+    if ids is not None:
+        return ids
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return len(prompt)
-        if len(prompt) == 1:
-            return _count_prompt(prompt[0])
         raise bad_request("vllm-sim serves one prompt per request; send batches as separate requests", "prompt")
     raise bad_request("At least one of `prompt` or `prompt_embeds` must be set.", "prompt")
 
 
-def _count_messages(messages: Any) -> int:
-    if not isinstance(messages, list) or not messages:
+def messages(value: Any) -> list[tuple[str, str]]:
+    """``(role, text)`` pairs; text parts of a content list are joined with newlines, other parts are dropped."""
+    if not isinstance(value, list) or not value:
         raise bad_request("`messages` must be a non-empty list of messages.", "messages")
-    words = 0
-    for message in messages:
+    out = []
+    for message in value:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request("Each message must be an object with a `role`.", "messages")
         content = message.get("content")
-        if isinstance(content, str):
-            words += _words(content)
+        if content is None or isinstance(content, str):
+            text = content or ""
         elif isinstance(content, list):
-            words += sum(_words(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return words
+            text = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        else:
+            raise bad_request("A message's `content` must be a string or a list of content parts.", "messages")
+        out.append((message["role"], text))
+    return out
+
+
+def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(f"`{key}` must be a boolean.", key)
+    return value
+
+
+def render_messages(body: dict[str, Any]) -> tuple[list[int], str]:
+    """A chat body's prompt ids and the answer's role, applying add_generation_prompt / continue_final_message."""
+    add = _opt_bool(body, "add_generation_prompt")
+    continue_final = bool(_opt_bool(body, "continue_final_message"))
+    if continue_final and add:
+        raise bad_request(BOTH_PROMPT_FLAGS)
+    chat = messages(body.get("messages"))
+    if continue_final and add is None:
+        raise ApiError(400, TEMPLATE_CONFLICT)
+    add = add is not False
+    ids = tokens.render_chat(chat, add_generation_prompt=add, continue_final_message=continue_final)
+    return ids, "assistant" if add else chat[-1][0]
 
 
 def _opt_int(body: dict[str, Any], key: str) -> int | None:
@@ -92,11 +139,12 @@ def parse(kind: Kind, body: Any) -> GenRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("`model` must be a string.", "model")
+    role = "assistant"
     if kind is Kind.COMPLETION:
-        prompt_tokens = _count_prompt(body.get("prompt"))
+        ids = prompt_ids(body.get("prompt"))
         max_tokens = _opt_int(body, "max_tokens")
     else:
-        prompt_tokens = _count_messages(body.get("messages"))
+        ids, role = render_messages(body)
         # serving_chat: max_completion_tokens wins over the deprecated max_tokens.
         max_tokens = _opt_int(body, "max_completion_tokens") or _opt_int(body, "max_tokens")
     stream = body.get("stream") or False
@@ -120,7 +168,7 @@ def parse(kind: Kind, body: Any) -> GenRequest:
     return GenRequest(
         kind=kind,
         model=model,
-        prompt_tokens=max(1, prompt_tokens),
+        prompt_ids=tuple(ids),
         max_tokens=max_tokens,
         ignore_eos=bool(body.get("ignore_eos", False)),
         stream=stream,
@@ -128,10 +176,12 @@ def parse(kind: Kind, body: Any) -> GenRequest:
         continuous_usage=continuous,
         kv_transfer_params=kv,
         body_request_id=request_id if isinstance(request_id, str) and request_id else None,
+        return_token_ids=bool(_opt_bool(body, "return_token_ids")),
+        role=role,
     )
 
 
-def check_model(requested: str | None, served: tuple[str, ...]) -> None:
+def check_model(requested: Any, served: tuple[str, ...]) -> None:
     if requested is not None and requested not in served:
         raise ApiError(404, f"The model `{requested}` does not exist.", param="model")
 
@@ -148,115 +198,21 @@ def check_context(req: GenRequest, max_model_len: int) -> None:
         )
 
 
-def token_text(i: int) -> str:
-    """The deterministic text of generated token ``i``: the output reads ``tok0 tok1 tok2 ...``."""
-    return f"tok{i}" if i == 0 else f" tok{i}"
+def tokenize_ids(body: Any) -> list[int]:
+    """POST /tokenize: TokenizeChatRequest when ``messages`` is present, else TokenizeCompletionRequest."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    if "messages" in body:
+        return render_messages(body)[0]
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise bad_request("`prompt` must be a string.", "prompt")
+    return tokens.encode(prompt)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
-    }
-
-
-class Wire:
-    """Builds one response's bodies and SSE events. ``rid`` is the X-Request-Id header, else a new hex id."""
-
-    def __init__(self, kind: Kind, rid: str | None, model: str):
-        self.kind = kind
-        prefix = "cmpl" if kind is Kind.COMPLETION else "chatcmpl"
-        self.id = f"{prefix}-{rid or uuid.uuid4().hex}"
-        # The engine's own request id: completions number their prompts (serving_completion.py).
-        self.engine_request_id = f"{self.id}-0" if kind is Kind.COMPLETION else self.id
-        self.model = model
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def full(self, text: str, finish: str, use: dict[str, Any], kv: dict[str, Any] | None) -> dict[str, Any]:
-        """The non-streamed body (CompletionResponse / ChatCompletionResponse)."""
-        if self.kind is Kind.COMPLETION:
-            choice: dict[str, Any] = {
-                "index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                "token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None,
-            }  # fmt: skip
-            tail: dict[str, Any] = {}
-        else:
-            message: dict[str, Any] = {
-                "role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-                "function_call": None, "tool_calls": [], "reasoning_content": None,
-            }  # fmt: skip
-            choice = {
-                "index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                "token_ids": None,
-            }  # fmt: skip
-            tail = {"prompt_logprobs": None, "prompt_token_ids": None}
-        obj = "text_completion" if self.kind is Kind.COMPLETION else "chat.completion"
-        return {
-            **self._head(obj), "choices": [choice], "service_tier": None, "system_fingerprint": None,
-            "usage": use, **tail, "kv_transfer_params": kv,
-        }  # fmt: skip
-
-    def role_event(self) -> str | None:
-        """Chat streams open with an empty assistant delta; completion streams have no such event."""
-        if self.kind is Kind.COMPLETION:
-            return None
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return self._event({**self._head("chat.completion.chunk"), "choices": [choice], "prompt_token_ids": None})
-
-    def token_event(self, text: str, finish: str | None, use: dict[str, Any] | None) -> str:
-        """One generated token; the last one carries finish_reason (and stop_reason)."""
-        if self.kind is Kind.COMPLETION:
-            choice: dict[str, Any] = {
-                "index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                "prompt_token_ids": None, "token_ids": None,
-            }  # fmt: skip
-            return self._event({**self._head("text_completion"), "choices": [choice], "usage": use})
-        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
-        if finish is not None:
-            choice["stop_reason"] = None
-        choice["token_ids"] = None
-        chunk: dict[str, Any] = {**self._head("chat.completion.chunk"), "choices": [choice]}
-        if use is not None:
-            chunk["usage"] = use
-        return self._event(chunk)
-
-    def usage_event(self, use: dict[str, Any]) -> str:
-        """The final ``choices: []`` chunk of stream_options.include_usage (nulls dropped)."""
-        obj = "text_completion" if self.kind is Kind.COMPLETION else "chat.completion.chunk"
-        trimmed = {k: v for k, v in use.items() if v is not None}
-        return self._event({**self._head(obj), "choices": [], "usage": trimmed})
-
-    @staticmethod
-    def error_event(error: ApiError) -> str:
-        """How vLLM reports a failure after the stream started (create_streaming_error_response)."""
-        return Wire._event(error.body())
-
-    @staticmethod
-    def _event(obj: Any) -> str:
-        return f"data: {dumps(obj)}\n\n"
-
-
-DONE_EVENT = "data: [DONE]\n\n"
-
-
-def model_list(served: tuple[str, ...], max_model_len: int) -> dict[str, Any]:
-    """GET /v1/models: ModelList of ModelCard, each with one ModelPermission, as vLLM's serving_models."""
-    now = int(time.time())
-    cards = []
-    for name in served:
-        permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-            "organization": "*", "group": None, "is_blocking": False,
-        }  # fmt: skip
-        cards.append({
-            "id": name, "object": "model", "created": now, "owned_by": "vllm", "root": served[0],
-            "parent": None, "max_model_len": max_model_len, "permission": [permission],
-        })  # fmt: skip
-    return {"object": "list", "data": cards}
+def detokenize_ids(body: Any) -> list[int]:
+    """POST /detokenize: ``tokens`` must be ids in the vocabulary."""
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(tokens.in_vocab(t) for t in ids):
+        raise bad_request(f"`tokens` must be a list of token ids below {tokens.VOCAB_SIZE}.", "tokens")
+    return ids

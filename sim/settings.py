@@ -39,8 +39,11 @@ class SimSettings:
     """Seconds from being scheduled to the first token (the simulated prefill)."""
     itl: float = 0.005
     """Seconds between two generated tokens."""
+    prefill_per_token: float = 0.0
+    """Seconds added to ttft per prompt token not found in the prefix cache (0: ttft ignores the cache)."""
     output_len: int = 16
-    """Tokens generated before a simulated EOS when max_tokens allows it (finish_reason "stop")."""
+    """Length of an answer before the simulated EOS (finish_reason "stop") when max_tokens allows it; counted
+    from the start of the answer, so a continuation ends where the original would (see sim/tokens.py)."""
     max_num_seqs: int = 64
     """Sequences generating at once, as vLLM's --max-num-seqs; more wait in a FIFO queue."""
     fail_rate: float = 0.0
@@ -51,6 +54,9 @@ class SimSettings:
     """When > 0, every generation fails after this many tokens (streams end with an error event)."""
     hang: bool = False
     """Accept and schedule inference requests but never answer them (until hang is switched off)."""
+    hang_after_tokens: int = 0
+    """When > 0, every generation stops sending after this many tokens without closing (until the client leaves
+    or the knob is raised or set to 0)."""
     set_cookie: str = ""
     """A ``Set-Cookie`` value sent with every completion response (empty: none), as a cookie-setting gateway."""
     startup_delay: float = 0.0
@@ -66,7 +72,9 @@ class SimSettings:
     side_channel_port: int = 5600
     """Port announced as remote_port (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default); nothing listens on it."""
     block_size: int = 16
-    """Tokens per simulated KV block, to size remote_block_ids."""
+    """Tokens per KV block (vLLM's --block-size): the prefix cache's unit, and what sizes remote_block_ids."""
+    cache_blocks: int = 4096
+    """KV blocks of the simulated cache (64k tokens at block size 16); 0 disables prefix caching."""
     log_level: str = "info"
     """Python logging level name."""
 

@@ -67,6 +67,12 @@ def sse(text: str) -> list[Any]:
     return [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
+def generated(text: str) -> int:
+    """How many generated tokens ``text`` holds; each is one word of the model's vocabulary after a space."""
+    assert re.fullmatch(r"( tok\d+)*", text), f"not generated text: {text!r}"
+    return text.count(" ")
+
+
 def gauge(metrics: str, name: str) -> float:
     match = re.search(rf'^{re.escape(name)}{{engine="0",model_name="{MODEL}"}} (\S+)$', metrics, re.M)
     assert match, f"{name} missing from /metrics"
@@ -96,7 +102,7 @@ async def test_completion_body_is_vllms(node: SimNode, client: httpx.AsyncClient
     body = response.json()
     assert response.status_code == 200
     assert (body["id"], body["object"], body["model"]) == ("cmpl-req-1", "text_completion", MODEL)
-    assert body["choices"][0]["text"] == "tok0 tok1 tok2"
+    assert generated(body["choices"][0]["text"]) == 3
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["logprobs"] is None
     assert body["usage"] == {
         "prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3, "prompt_tokens_details": None,
@@ -125,7 +131,7 @@ async def test_completion_stream_one_token_per_chunk_then_usage(node: SimNode, c
     assert response.headers["content-type"].startswith("text/event-stream")
     *chunks, usage_chunk, done = sse(response.text)
     assert done == "[DONE]" and len(chunks) == 4
-    assert [c["choices"][0]["text"] for c in chunks] == ["tok0", " tok1", " tok2", " tok3"]
+    assert [generated(c["choices"][0]["text"]) for c in chunks] == [1, 1, 1, 1]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
@@ -137,9 +143,9 @@ async def test_chat_stream_opens_with_role_and_has_no_usage_unasked(node: SimNod
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True}
     *chunks, done = sse((await client.post(f"{node.url}/v1/chat/completions", json=payload)).text)
     assert done == "[DONE]" and len({c["id"] for c in chunks}) == 1
-    assert [c["choices"][0]["delta"] for c in chunks] == [
-        {"role": "assistant", "content": ""}, {"content": "tok0"}, {"content": " tok1"},
-    ]  # fmt: skip
+    role, *deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert role == {"role": "assistant", "content": ""}
+    assert [set(d) for d in deltas] == [{"content"}] * 2 and [generated(d["content"]) for d in deltas] == [1, 1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
 
@@ -174,20 +180,23 @@ async def test_errors_have_vllms_shape(
 
 async def test_openai_client_parses_completions_and_chat(node: SimNode) -> None:
     async with openai.AsyncOpenAI(base_url=f"{node.url}/v1", api_key="unused") as oai:
-        completion = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-        assert completion.choices[0].text == "tok0 tok1" and completion.usage is not None
+        completion = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+        text = completion.choices[0].text
+        assert generated(text) == 3 and completion.usage is not None
         chat = await oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=2
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=3
         )
-        assert chat.choices[0].message.content == "tok0 tok1"
+        content = chat.choices[0].message.content
+        assert content is not None and generated(content) == 3
+        # Deterministic: streamed or not, the same prompt gets the same answer.
         stream = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True)
-        assert "".join([c.choices[0].text async for c in stream]) == "tok0 tok1 tok2"
+        assert "".join([c.choices[0].text async for c in stream]) == text
         chat_stream = await oai.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
             stream_options={"include_usage": True},
         )  # fmt: skip
         chunks = [c async for c in chat_stream]
-        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "tok0 tok1 tok2"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
 
 
@@ -285,6 +294,30 @@ async def test_hang_never_answers_until_released(sim_logs: Path) -> None:
             assert (await pending).status_code == 200
 
 
+async def test_hang_after_tokens_stalls_a_stream_midway_without_closing_it(sim_logs: Path) -> None:
+    with SimNode(sim_logs, itl=0.001) as stalling:
+        stalling.configure(hang_after_tokens=3)
+        payload = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
+        async with httpx.AsyncClient(timeout=10.0) as c:
+            async with c.stream("POST", f"{stalling.url}/v1/completions", json=payload,
+                                headers={"X-Request-Id": "ha1"}) as r:  # fmt: skip
+                lines = r.aiter_lines()
+                received = 0
+                while received < 3:
+                    received += (await anext(lines)).startswith("data: ")
+                seen = await asyncio.to_thread(stalling.wait_for_request, request_id="ha1", state="hung")
+                assert seen["completion_tokens"] == 3 and gauge(stalling.metrics(), "vllm:num_requests_running") == 1
+                stalling.configure(hang_after_tokens=0)
+                rest = [line async for line in lines if line.startswith("data: ")]
+            assert len(rest) == 5 + 1 and rest[-1] == "data: [DONE]"
+            stalling.configure(hang_after_tokens=1)
+            async with c.stream("POST", f"{stalling.url}/v1/completions", json=payload,
+                                headers={"X-Request-Id": "ha2"}) as r:  # fmt: skip
+                await asyncio.to_thread(stalling.wait_for_request, request_id="ha2", state="hung")
+        left = await asyncio.to_thread(stalling.wait_for_request, request_id="ha2", cancelled=True)
+        assert left["completion_tokens"] == 1 and stalling.snapshot()["running"] == 0
+
+
 async def test_health_follows_unhealthy_file(sim_logs: Path, tmp_path: Path) -> None:
     flag = tmp_path / "unhealthy"
     with SimNode(sim_logs, unhealthy_file=flag) as flippable:
@@ -350,8 +383,13 @@ async def test_non_streamed_disconnect_cancels_and_frees_the_slot(sim_logs: Path
 
 
 def test_every_flag_reads_its_environment_variable() -> None:
-    env = {"VLLM_SIM_TTFT": "0.5", "VLLM_SIM_MODEL": "a, b", "VLLM_SIM_HANG": "true", "VLLM_SIM_ROLE": "decode"}
-    settings = parse_settings(["--port", "9000", "--max-num-seqs", "2"], env)
+    env = {"VLLM_SIM_TTFT": "0.5", "VLLM_SIM_MODEL": "a, b", "VLLM_SIM_HANG": "true", "VLLM_SIM_ROLE": "decode",
+           "VLLM_SIM_PREFILL_PER_TOKEN": "0.001", "VLLM_SIM_CACHE_BLOCKS": "0", "VLLM_SIM_HANG_AFTER_TOKENS": "4"}
+    settings = parse_settings(["--port", "9000", "--max-num-seqs", "2", "--block-size", "32"], env)
     assert (settings.ttft, settings.models, settings.hang, settings.role) == (0.5, ("a", "b"), True, Role.DECODE)
     assert (settings.port, settings.max_num_seqs, settings.name) == (9000, 2, "127.0.0.1:9000")
+    assert (settings.prefill_per_token, settings.cache_blocks, settings.block_size) == (0.001, 0, 32)
+    assert settings.hang_after_tokens == 4
     assert parse_settings(["--model", "c"], env).models == ("c",)
+    defaults = parse_settings([], {})
+    assert (defaults.block_size, defaults.cache_blocks, defaults.prefill_per_token) == (16, 4096, 0.0)

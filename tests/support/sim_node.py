@@ -118,21 +118,24 @@ class SimNode:
         return str(self.info()["engine_id"])
 
     def configure(self, **changes: Any) -> dict[str, Any]:
-        """POST /sim/config: ttft, itl, output_len, max_num_seqs, fail_rate, fail_status, fail_after_tokens, hang,
-        set_cookie."""
+        """POST /sim/config: ttft, itl, prefill_per_token, output_len, max_num_seqs, fail_rate, fail_status,
+        fail_after_tokens, hang, hang_after_tokens, set_cookie."""
         response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result
 
     def snapshot(self) -> dict[str, Any]:
-        """GET /sim/requests: node_id, role, engine_id, running, waiting, counters, requests."""
+        """GET /sim/requests: node_id, role, engine_id, running, waiting, counters (prefix_cache_queries and
+        prefix_cache_hits among them), kv_cache (block_size, capacity_blocks, used_blocks, cached_blocks, usage),
+        requests."""
         result: dict[str, Any] = self._get("/sim/requests")
         return result
 
     def requests(self) -> list[dict[str, Any]]:
         """Recent requests, oldest first: id, request_id, path, model, stream, state, status, cancelled,
-        prompt_tokens, completion_tokens, max_tokens, kv_transfer_params, prefill, authorization, cookie."""
+        prompt_tokens, cached_tokens, completion_tokens, max_tokens, kv_transfer_params, prefill, authorization,
+        cookie."""
         return list(self.snapshot()["requests"])
 
     def clear_requests(self) -> None:
