@@ -31,7 +31,7 @@ from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
 from proxy.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
 from proxy.httpclient import stateless_client
-from proxy.info import InfoRoutes, Lifecycle
+from proxy.info import InfoRoutes, Lifecycle, not_ready_reason
 from proxy.loadwatch import LoadWatcher
 from proxy.metrics import PoolCollector, ProxyMetrics
 from proxy.pool import Pool
@@ -90,8 +90,13 @@ class ProxyApp:
         await self._app(scope, receive, send)
 
 
-def build_app(settings: ProxySettings, transport: Transport | None = None) -> ProxyApp:
-    """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own)."""
+def build_app(settings: ProxySettings, transport: Transport | None = None, *, wait_ready: float = 0.0) -> ProxyApp:
+    """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own).
+
+    With ``wait_ready`` the app's startup waits up to that many seconds for the replica to be ready (pools
+    synced, a node routable), so that the server only listens then: a worker restarted beside others takes no
+    connection it would answer with 404 or 503.
+    """
     lifecycle = Lifecycle()
     registry = CollectorRegistry(auto_describe=True)
     metrics = ProxyMetrics(registry)
@@ -140,6 +145,10 @@ def build_app(settings: ProxySettings, transport: Transport | None = None) -> Pr
         if etcd is not None:
             discovery = Discovery(etcd, layout, pool.apply, discovery_state)
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
+        deadline = time.monotonic() + wait_ready
+        while (time.monotonic() < deadline and not lifecycle.shutting_down
+               and not_ready_reason(lifecycle, discovery_state, pool) is not None):  # fmt: skip
+            await asyncio.sleep(0.05)
         try:
             yield
         finally:

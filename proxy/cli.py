@@ -29,6 +29,8 @@ from proxy.settings import ProxySettings, TimeoutSettings
 from proxy.workers import run_workers
 
 ENV_PREFIX = "VLLM_PROXY_"
+WORKER_READY_WAIT = 15.0
+"""Seconds a starting worker waits to be ready (etcd synced, a node routable) before it takes connections."""
 LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr"}
 
 
@@ -207,6 +209,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._delay <= 0 or self._lifecycle.shutting_down:
+            self._lifecycle.shutting_down = True
             super().handle_exit(sig, frame)
             return
         self._lifecycle.shutting_down = True
@@ -260,7 +263,8 @@ def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket
 
 def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
     """Run one replica (or one worker of it) until SIGTERM/SIGINT, then drain."""
-    app = build_app(settings)
+    # A worker (reuse_port) restarted beside running ones listens only once ready (or after WORKER_READY_WAIT s).
+    app = build_app(settings, wait_ready=WORKER_READY_WAIT if reuse_port else 0.0)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
         access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",

@@ -42,6 +42,17 @@ class Lifecycle:
     shutting_down: bool = False
 
 
+def not_ready_reason(lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool) -> str | None:
+    """Why the replica should not get traffic now (what /ready answers), or None."""
+    if lifecycle.shutting_down:
+        return "shutting down"
+    if discovery.enabled and not discovery.synced:
+        return "etcd discovery has not synced yet"
+    if not any(s.routable for s in pool.all()):
+        return "no routable node"
+    return None
+
+
 class InfoRoutes:
     def __init__(
         self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry, lifecycle: Lifecycle
@@ -64,17 +75,8 @@ class InfoRoutes:
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
-    def _ready_reason(self) -> str | None:
-        if self._lifecycle.shutting_down:
-            return "shutting down"
-        if self._discovery.enabled and not self._discovery.synced:
-            return "etcd discovery has not synced yet"
-        if not any(s.routable for s in self._pool.all()):
-            return "no routable node"
-        return None
-
     async def ready(self, request: Request) -> Response:
-        reason = self._ready_reason()
+        reason = not_ready_reason(self._lifecycle, self._discovery, self._pool)
         if reason is None:
             return JSONResponse({"ready": True})
         return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "1"})
