@@ -1,7 +1,8 @@
 """Proxy CPU per request as the fleet grows: the same load spread over 1 node or over N nodes.
 
-Shows what the upstream connection pools cost: httpcore scans every pooled connection on each request, so
-the proxy keeps one pool per node (proxy/upstream.py). Run: ``python -m bench.fleet_pools [--nodes 8]``.
+Shows that choosing a connection costs the same however many nodes and connections there are (the transport
+keeps each node's idle connections on a stack; httpcore, used before, scanned all of them on every request).
+Run: ``python -m bench.fleet_pools [--nodes 8]``.
 """
 
 from __future__ import annotations
