@@ -12,7 +12,10 @@ working.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.disagg import Disaggregator
@@ -21,9 +24,10 @@ from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
 from proxy.guard import ClientKeys, ConcurrencyLimit
 from proxy.metrics import ProxyMetrics
 from proxy.parsing import BodyLimits, affinity_key, check_fields, parse_object, read_body, read_headers
-from proxy.pool import Pool
+from proxy.pool import NodeState, Pool
 from proxy.records import Role
-from proxy.relay import Relay, send_error
+from proxy.relay import Exchange, Relay, ResumePlan, send_error
+from proxy.resume import not_resumable
 from proxy.settings import ProxySettings
 
 KNOWN_ROUTES = frozenset(
@@ -65,6 +69,7 @@ class OpenAIRoutes:
         key = settings.backend_api_key
         self._backend_auth = f"Bearer {key}".encode("latin-1") if key else None
         self._first_byte_timeout = settings.timeouts.first_byte
+        self._max_resumes = settings.max_resumes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -89,36 +94,26 @@ class OpenAIRoutes:
         route = path if path in KNOWN_ROUTES else "/v1/other"  # bounded metric labels
         client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
         mode = "none"
+        plan: ResumePlan | None = None
         try:
             self._keys.check(client.authorization)
             raw = await read_body(receive, client.content_length, self._limits)
             body = parse_object(raw)
             model = check_fields(body, path)
-            key = affinity_key(body, client.session) if self._affinity else None
             query = scope.get("query_string", b"")
             target = scope["raw_path"] if scope.get("raw_path") else path.encode()
             if query:
                 target += b"?" + query
-            head = header_lines(client.forwarded)
-            pool = self._pool
-            if path in GENERATE_ROUTES and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
-                mode = "disagg"
-                disagg = self._disagg
+            request = _Request(path=path, target=target, model=model, head=header_lines(client.forwarded),
+                               affinity=affinity_key(body, client.session) if self._affinity else None)  # fmt: skip
+            mode, exchange = self._exchange(request, raw, body)
+            if self._max_resumes and not_resumable(path, body) is None:
 
-                async def exchange() -> Upstream | ErrorAnswer:
-                    return await disagg.run(path=target, model=model, raw=raw, body=body, head=head, affinity=key)
+                async def reopen(continuation: dict[str, Any], avoid: tuple[NodeState, ...]) -> Upstream | ErrorAnswer:
+                    _, again = self._exchange(request, orjson.dumps(continuation), continuation, avoid)
+                    return await again()
 
-            else:
-                mode = "mixed"
-                self._check_routable(model, _MIXED_ROLES)
-                # Not disaggregated: the body goes to the node byte for byte.
-                leg = Leg(roles=_MIXED_ROLES, model=model, path=target, head=head, body=raw,
-                          timeout=self._first_byte_timeout, affinity=key)  # fmt: skip
-                forwarder = self._forwarder
-
-                async def exchange() -> Upstream | ErrorAnswer:
-                    return await forwarder.open(leg)
-
+                plan = ResumePlan(path=path, body=body, reopen=reopen, max_resumes=self._max_resumes)
             self._limit.acquire()
         except ProxyError as exc:
             await send_error(send, exc, client.request_id)
@@ -127,7 +122,43 @@ class OpenAIRoutes:
         status = 499
         try:
             status = await self._relay(exchange, receive, send, route=route, mode=mode,
-                                       request_id=client.request_id, started=started)  # fmt: skip
+                                       request_id=client.request_id, started=started, plan=plan)  # fmt: skip
         finally:
             self._limit.release()
             self._metrics.request_done(route, mode, status, started)
+
+    def _exchange(self, request: _Request, raw: bytes, body: dict[str, Any],
+                  avoid: tuple[NodeState, ...] = ()) -> tuple[str, Exchange]:  # fmt: skip
+        """The flow for this request and body: ("disagg" or "mixed", what runs it)."""
+        pool, model, head = self._pool, request.model, request.head
+        if request.path in GENERATE_ROUTES and pool.candidates(Role.PREFILL, model) and \
+                pool.candidates(Role.DECODE, model):  # fmt: skip
+            disagg = self._disagg
+
+            async def disaggregated() -> Upstream | ErrorAnswer:
+                return await disagg.run(path=request.target, model=model, raw=raw, body=body, head=head,
+                                        affinity=request.affinity, avoid=avoid)  # fmt: skip
+
+            return "disagg", disaggregated
+        self._check_routable(model, _MIXED_ROLES)
+        # Not disaggregated: the body goes to the node byte for byte.
+        leg = Leg(roles=_MIXED_ROLES, model=model, path=request.target, head=head, body=raw,
+                  timeout=self._first_byte_timeout, affinity=request.affinity)  # fmt: skip
+        forwarder = self._forwarder
+
+        async def one_leg() -> Upstream | ErrorAnswer:
+            return await forwarder.open(leg, avoid)
+
+        return "mixed", one_leg
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Request:
+    """What a request's legs (and any continuation's) share."""
+
+    path: str
+    target: bytes
+    """Path and query for the nodes."""
+    model: str
+    head: bytes
+    affinity: str | None

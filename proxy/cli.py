@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--scrape-load", type=float, default=0.0, help="seconds between scrapes of each node's /metrics queue "
         "for the load-aware policies (default 0: off)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
+    add("--max-resumes", type=int, default=2, help="times a stream may go on from another node after its node "
+        "failed mid-way (default 2; 0: never, the stream ends with an error event)")  # fmt: skip
     add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default 5)")
     add("--prefill-timeout", type=float, default=300.0, help="seconds for the whole prefill leg (default 300)")
     add("--first-byte-timeout", type=float, default=600.0, help="seconds until a node's response headers "
@@ -161,7 +163,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         api_keys=api_keys(args), backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         max_header_bytes=args.max_header_bytes,
-        policy=args.policy, max_attempts=args.max_attempts, affinity_header=args.affinity_header.lower(),
+        policy=args.policy, max_attempts=args.max_attempts, max_resumes=args.max_resumes,
+        affinity_header=args.affinity_header.lower(),
         role_policies=tuple((r, getattr(args, f"{r}_policy")) for r in ("prefill", "decode", "mixed")
                             if getattr(args, f"{r}_policy")),
         scrape_load=args.scrape_load,
@@ -234,6 +237,8 @@ def parse_settings(argv: Sequence[str]) -> ProxySettings:
     args = parser.parse_args(argv)
     if args.max_attempts < 1:
         parser.error("--max-attempts must be at least 1")
+    if args.max_resumes < 0:
+        parser.error("--max-resumes must be 0 or more")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
     if not args.etcd and not (args.prefill or args.decode or args.mixed):

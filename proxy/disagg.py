@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import orjson
 
 from proxy.errors import UpstreamFailed, UpstreamTimeout
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from proxy.pool import NodeState
 from proxy.records import Role
 from proxy.settings import TimeoutSettings
 
@@ -74,14 +75,15 @@ class Disaggregator:
         self._timeouts = timeouts
 
     async def run(
-        self, *, path: bytes, model: str, raw: bytes, body: Mapping[str, Any], head: bytes, affinity: str | None
+        self, *, path: bytes, model: str, raw: bytes, body: Mapping[str, Any], head: bytes, affinity: str | None,
+        avoid: Collection[NodeState] = (),
     ) -> Upstream | ErrorAnswer:
         kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity)
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
         leg = Leg(roles=(Role.DECODE,), model=model, path=path, head=head, timeout=self._timeouts.first_byte,
                   body=decode_body(raw, body, kv), affinity=affinity)  # fmt: skip
-        return await self._forwarder.open(leg)
+        return await self._forwarder.open(leg, avoid)
 
     async def _prefill(
         self, *, path: bytes, model: str, body: Mapping[str, Any], head: bytes, affinity: str | None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from proxy.balancer import Policy
@@ -142,7 +142,7 @@ class Forwarder:
                 return role, found
         return leg.roles[0], []
 
-    async def open(self, leg: Leg) -> Upstream | ErrorAnswer:
+    async def open(self, leg: Leg, avoid: Collection[NodeState] = ()) -> Upstream | ErrorAnswer:
         """Send ``leg`` to a node, retrying elsewhere on connect errors, timeouts, 5xx and 429.
 
         Returns an ``Upstream`` for a 2xx/4xx answer. When every attempt got an HTTP error answer, returns the

@@ -55,6 +55,11 @@ class ProxyMetrics:
         self.client_disconnects = Counter(
             "vllm_proxy_client_disconnects", "Requests whose client went away before the end.", registry=registry
         )
+        self.resumes = Counter(
+            "vllm_proxy_resumes", "Streams whose node failed mid-way, by what followed: resumed (a continuation "
+            "from another node), completed (nothing was left to generate), failed (no node took the continuation), "
+            "exhausted (--max-resumes reached).", ["outcome"], registry=registry,
+        )  # fmt: skip
         self.admin_changes = Counter(
             "vllm_proxy_admin_changes", "Admin API calls that changed the pools.", ["action"], registry=registry
         )
@@ -90,6 +95,9 @@ class ProxyMetrics:
 
     def upstream_outcome(self, role: Role, node_id: str, outcome: str) -> None:
         self._child(self.upstream, role.value, node_id, outcome).inc()
+
+    def resume(self, outcome: str) -> None:
+        self._child(self.resumes, outcome).inc()
 
     def retry(self, role: Role) -> None:
         self._child(self.retries, role.value).inc()

@@ -9,17 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from starlette.types import Message, Receive, Send
 
-from proxy.errors import ProxyError, render, sse_error_event
+from proxy.errors import ProxyError, UpstreamFailed, render, sse_error_event
 from proxy.forwarder import ErrorAnswer, Upstream, client_headers
 from proxy.metrics import ProxyMetrics
+from proxy.pool import NodeState
+from proxy.resume import DONE, NodeErrorEvent, Splice, StreamLog, continuation_body, error_event_at, progress
 
 log = logging.getLogger(__name__)
 
 Exchange = Callable[[], Awaitable[Upstream | ErrorAnswer]]
+Reopen = Callable[[dict[str, Any], tuple[NodeState, ...]], Awaitable[Upstream | ErrorAnswer]]
+"""Sends a continuation body through the normal routing, avoiding the given nodes where it can."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumePlan:
+    """How a resumable stream goes on elsewhere when its node fails (resume.py)."""
+
+    path: str
+    body: Mapping[str, Any]
+    reopen: Reopen
+    max_resumes: int
 
 
 class _DisconnectWatch:
@@ -64,12 +80,12 @@ class Relay:
         self._metrics = metrics
 
     async def __call__(self, exchange: Exchange, receive: Receive, send: Send, *, route: str, mode: str,
-                       request_id: str, started: float) -> int:  # fmt: skip
+                       request_id: str, started: float, plan: ResumePlan | None = None) -> int:  # fmt: skip
         """Returns the HTTP status the client got (499 when it left first)."""
         status = 499
         watch = _DisconnectWatch(receive)
         try:
-            status = await self._run(exchange, send, watch, route, mode, request_id, started)
+            status = await self._run(exchange, send, watch, route, mode, request_id, started, plan)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watch.gone or task is None:
@@ -82,7 +98,7 @@ class Relay:
         return status
 
     async def _run(self, exchange: Exchange, send: Send, watch: _DisconnectWatch, route: str, mode: str,
-                   request_id: str, started: float) -> int:  # fmt: skip
+                   request_id: str, started: float, plan: ResumePlan | None) -> int:  # fmt: skip
         # Before the last body message goes out, the watch is told: once it is sent, uvicorn reports
         # "disconnect" to receive(), which is not a client leaving.
         try:
@@ -97,18 +113,25 @@ class Relay:
             watch.finished = True
             await send({"type": "http.response.body", "body": answer.body})
             return answer.status
-        await self._relay(answer, send, watch, route, mode, request_id, started)
+        if plan is not None and answer.status == 200 and _is_event_stream(answer.headers):
+            await self._relay_resumable(answer, send, watch, route, mode, request_id, started, plan)
+        else:
+            await self._relay(answer, send, watch, route, mode, request_id, started)
         return answer.status
+
+    @staticmethod
+    async def _start(upstream: Upstream, send: Send, request_id: str) -> None:
+        headers = client_headers(upstream.headers)
+        if not any(k.lower() == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
+        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
 
     async def _relay(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str, mode: str,
                      request_id: str, started: float) -> None:  # fmt: skip
         outcome = "cancelled"
         response = upstream.response
-        headers = client_headers(response.headers)
-        if not any(k.lower() == b"x-request-id" for k, _ in headers):
-            headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
         try:
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            await self._start(upstream, send, request_id)
             read = response.read
             chunks = 0
             try:
@@ -135,3 +158,97 @@ class Relay:
             outcome = "ok"
         finally:
             upstream.close(outcome)
+
+    async def _relay_resumable(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str,
+                               mode: str, request_id: str, started: float, plan: ResumePlan) -> None:  # fmt: skip
+        """Relay an SSE answer event by event; when its node fails, go on from another node (resume.py)."""
+        sent = StreamLog()
+        splice: Splice | None = None
+        current = upstream
+        resumes = 0
+        await self._start(upstream, send, request_id)
+        while True:
+            outcome = "cancelled"
+            failure: ProxyError | None = None
+            try:
+                await self._pump(current, send, sent, splice, route, mode, started)
+                outcome = "ok"
+            except ProxyError as exc:
+                outcome, failure = "broken", exc
+            finally:
+                current.close(outcome)
+            if failure is None or sent.done:
+                break
+            sent.drop_partial()
+            failed_node = current.state.node.node_id
+            if resumes >= plan.max_resumes:
+                self._metrics.resume("exhausted")
+                log_stream_broken(request_id, failure, f"after {resumes} resumes")
+                watch.finished = True
+                await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": False})
+                return
+            done = progress(plan.path, sent)
+            body = continuation_body(plan.path, plan.body, done)
+            if body is None:  # the answer was complete but for its end
+                self._metrics.resume("completed")
+                await send({"type": "http.response.body", "body": DONE, "more_body": True})
+                break
+            resumes += 1
+            try:
+                answer = await plan.reopen(body, (current.state,))
+            except ProxyError as exc:
+                answer, failure = None, exc
+            if not isinstance(answer, Upstream) or answer.status != 200:
+                if isinstance(answer, Upstream):
+                    answer.close("ok")
+                    failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
+                elif isinstance(answer, ErrorAnswer):
+                    failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
+                self._metrics.resume("failed")
+                log_stream_broken(request_id, failure, "and could not be resumed")
+                watch.finished = True
+                await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": False})
+                return
+            self._metrics.resume("resumed")
+            log.warning("stream resumed request_id=%s from=%s to=%s tokens_sent=%d resume=%d reason=%s", request_id,
+                        failed_node, answer.state.node.node_id, done.tokens, resumes, failure.message)  # fmt: skip
+            splice = Splice(plan.path, done)
+            current = answer
+        self._metrics.stream_chunks.inc(sent.writes)
+        watch.finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, upstream: Upstream, send: Send, sent: StreamLog, splice: Splice | None, route: str,
+                    mode: str, started: float) -> None:  # fmt: skip
+        """Relay whole events until ``[DONE]`` and the end of the body; raise ``ProxyError`` when the node fails."""
+        read, cut, add = upstream.response.read, sent.cut, sent.add
+        first = started > 0 and splice is None
+        while True:
+            chunk = await read()
+            if not chunk:
+                if sent.done:
+                    return
+                raise UpstreamFailed(f"node {upstream.state.node.node_id} ended the stream before [DONE]")
+            events = cut(chunk)
+            if not events:
+                continue
+            failed: ProxyError | None = None
+            if splice is not None:
+                events = splice(events)
+                failed = splice.failed
+            else:
+                at = error_event_at(events)
+                if at >= 0:
+                    events, failed = events[:at], NodeErrorEvent("the node reported an error in the stream")
+            if events:
+                if first:
+                    first = False
+                    self._metrics.first_byte(route, mode, started)
+                add(events)
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+            if failed is not None:
+                raise failed
+
+
+def log_stream_broken(request_id: str, error: ProxyError, how: str) -> None:
+    log.warning("stream broken request_id=%s error=%s %s", request_id, error.message, how)

@@ -63,6 +63,8 @@ class ProxySettings:
     """Header naming a session for consistent-hash; else the body's ``user``, else the prompt's start."""
     scrape_load: float = 0.0
     """Seconds between scrapes of each node's /metrics queue for the load-aware policies; 0 = off."""
+    max_resumes: int = 2
+    """Times one stream may go on from another node after its node failed mid-way; 0 turns resuming off."""
     max_attempts: int = 3
     """Nodes tried for one leg before the request fails (only before its first byte reached the client)."""
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)

@@ -157,7 +157,7 @@ async def test_a_stream_that_breaks_after_its_first_bytes_ends_with_an_error_eve
     events = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n']
     broken = Answer(headers=list(SSE), chunks=events, then=UpstreamFailed("node broke off the response"))
     transport = ScriptedTransport({NODE_A: [broken], NODE_B: [broken]})
-    async with replica(transport) as url, httpx.AsyncClient(base_url=url) as client:
+    async with replica(transport, "--max-resumes", "0") as url, httpx.AsyncClient(base_url=url) as client:
         async with client.stream("POST", "/v1/completions", json=completion(stream=True)) as answer:
             assert answer.status_code == 200
             body = b"".join([chunk async for chunk in answer.aiter_raw()])
@@ -192,3 +192,25 @@ async def test_a_request_that_fails_inside_the_proxy_leaks_no_node_slot_and_no_c
         transport.scripts[NODE_A] = transport.scripts[NODE_B] = [Answer()]
         # With a concurrency limit of 1, a leaked slot would turn this into a 503.
         assert (await client.post("/v1/completions", json=completion())).status_code == 200
+
+
+async def test_a_broken_stream_goes_on_from_another_node_with_the_rest_of_the_answer_asked_for() -> None:
+    head = b'{"id": "cmpl-1", "created": 7, "model": "m", "choices": [{"index": 0, "text": '
+    first = [head + b'" one"}]}\n\ndata: ', head + b'" two"}]}\n\n']  # an event cut across two reads
+    broken = Answer(headers=list(SSE), chunks=[b"data: " + first[0], first[1], b"data: " + head[:20]],
+                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    rest = b'{"id": "cmpl-2", "created": 9, "model": "m", "choices": [{"index": 0, "text": " three", ' \
+           b'"finish_reason": "length"}]}'  # fmt: skip
+    fine = Answer(headers=list(SSE), chunks=[b"data: " + rest + b"\n\n", b"data: [DONE]\n\n"])
+    transport = ScriptedTransport({NODE_A: [broken], NODE_B: [fine]})
+    async with replica(transport, "--policy", "round-robin") as url, httpx.AsyncClient(base_url=url) as client:
+        # Round-robin over the nodes in URL order: the first request goes to A.
+        answer = await client.post("/v1/completions", json={**completion(stream=True), "max_tokens": 3})
+        events = [orjson.loads(e[6:]) for e in answer.content.split(b"\n\n") if e.startswith(b"data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == " one two three"
+        assert {e["id"] for e in events} == {"cmpl-1"} and {e["created"] for e in events} == {7}
+        assert answer.content.endswith(b"data: [DONE]\n\n")
+        # The half event the failed node sent never reached the client; the continuation asked for the rest.
+        assert transport.calls == [NODE_A, NODE_B]
+        continuation = orjson.loads(transport.bodies[1])
+        assert continuation["prompt"] == "hello one two" and continuation["max_tokens"] == 1

@@ -196,7 +196,9 @@ def test_admin_add_of_a_live_node_makes_it_routable(proxy: ProxyProc, module_log
 
 def test_a_stream_that_goes_quiet_ends_with_an_sse_error_after_the_idle_timeout(module_logs: Path) -> None:
     with SimNode(module_logs, "slow-mixed", role="mixed", ttft=0.0, itl=2.0) as slow:
-        replica = ProxyProc(module_logs, "--mixed", slow.host_port, "--stream-idle-timeout", "0.5", name="idle-proxy")
+        # No resuming (tests/proxy/test_resume.py has that): the stream ends at the first timeout.
+        replica = ProxyProc(module_logs, "--mixed", slow.host_port, "--stream-idle-timeout", "0.5", "--max-resumes",
+                            "0", name="idle-proxy")  # fmt: skip
         try:
             replica.wait_routable("mixed", slow.host_port)
             body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}
