@@ -18,12 +18,13 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.affinity import PrefixIndex, affinity_key
 from proxy.disagg import Disaggregator
 from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
 from proxy.guard import ClientKeys, ConcurrencyLimit
 from proxy.metrics import ProxyMetrics
-from proxy.parsing import BodyLimits, affinity_key, check_fields, parse_object, read_body, read_headers
+from proxy.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
 from proxy.pool import NodeState, Pool
 from proxy.records import Role
 from proxy.relay import Exchange, Relay, ResumePlan, send_error
@@ -55,6 +56,7 @@ class OpenAIRoutes:
         affinity: bool = False,
     ) -> None:
         self._affinity = affinity
+        self._prefixes = PrefixIndex()
         self._settings = settings
         self._keys = keys
         self._limit = limit
@@ -105,7 +107,8 @@ class OpenAIRoutes:
             if query:
                 target += b"?" + query
             request = _Request(path=path, target=target, model=model, head=header_lines(client.forwarded),
-                               affinity=affinity_key(body, client.session) if self._affinity else None)  # fmt: skip
+                               affinity=affinity_key(self._prefixes, body, client.session) if self._affinity
+                               else None)  # fmt: skip
             mode, exchange = self._exchange(request, raw, body)
             if self._max_resumes and not_resumable(path, body) is None:
 

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.admin import AdminRoutes
 from proxy.api import OpenAIRoutes
-from proxy.balancer import make_policy
+from proxy.balancer import AFFINITY_POLICIES, make_policy
 from proxy.discovery import Discovery
 from proxy.ejection import Ejector
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
@@ -186,5 +186,5 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     )
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys,
-                          affinity=any(p.name == "consistent-hash" for p in policies.values()))  # fmt: skip
+                          affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()))  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)

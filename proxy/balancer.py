@@ -146,9 +146,56 @@ class ConsistentHash:
         return self._fallback.choose(pool, (), key)
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PowerOfTwo] | type[ConsistentHash]] = {
-    p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash)
-}
+def node_load(state: NodeState) -> int:
+    """Requests on the node from every replica (its own /metrics, when scraped), but never less than this
+    replica's own in flight (which is current; the scrape may be a fraction of a second old)."""
+    return max(state.node_running + state.node_waiting, state.in_flight)
+
+
+def _rank(key: str, node_id: str) -> int:
+    # Rendezvous hashing: every replica ranks the nodes for a key alike, and a node that leaves moves only
+    # the keys it ranked first.
+    return int.from_bytes(hashlib.blake2b(f"{key}|{node_id}".encode(), digest_size=8).digest(), "big")
+
+
+class CacheAware:
+    """Prefix-cache affinity with a load escape: a key's nodes are ranked by rendezvous hashing, the same on
+    every replica, and the request goes to the first of them that is not overloaded. Overloaded means the
+    node's KV cache is nearly full, or its load (its own queue and running requests, as every replica reads
+    them from its /metrics) exceeds ``1 + epsilon`` times the average by more than ``slack`` requests; then
+    every replica sends the key to the same second choice. Requests without a key: least load."""
+
+    name = "cache-aware"
+    KV_FULL = 0.95
+
+    def __init__(self, epsilon: float = 0.5, slack: int = 2) -> None:
+        self._epsilon = epsilon
+        self._slack = slack
+        self._turn = itertools.count()
+
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
+    ) -> NodeState | None:
+        pool = _untried(candidates, tried)
+        if len(pool) <= 1:
+            return pool[0] if pool else None
+        loads = [node_load(s) for s in pool]
+        if key is None:
+            least = min(loads)
+            ties = sorted((s for s, n in zip(pool, loads, strict=True) if n == least), key=lambda s: s.node.url)
+            return ties[next(self._turn) % len(ties)]
+        limit = (1 + self._epsilon) * sum(loads) / len(pool) + self._slack
+        ranked = sorted(zip(pool, loads, strict=True), key=lambda p: _rank(key, p[0].node.node_id), reverse=True)
+        for state, load_now in ranked:
+            if load_now <= limit and state.kv_usage < self.KV_FULL:
+                return state
+        return min(ranked, key=lambda p: p[1])[0]
+
+
+POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
+AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name])
+"""Policies that route by an affinity key (the request's session, user or prompt prefix)."""
 
 
 def make_policy(name: str) -> Policy:

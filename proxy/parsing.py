@@ -161,29 +161,3 @@ def check_fields(body: dict[str, Any], route: str) -> str:
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
             raise BadRequest("'prompt' must be a string or a non-empty array", param="prompt")
     return model
-
-
-AFFINITY_PREFIX_CHARS = 2048
-"""How much of the prompt names a conversation for consistent-hash: enough for a system prompt and the
-first turn, which is what a node's prefix cache can reuse."""
-
-
-def affinity_key(body: dict[str, Any], session: str | None) -> str | None:
-    """What consistent-hash routes by: the session header, else the body's ``user``, else the prompt's start."""
-    if session:
-        return f"session:{session}"
-    user = body.get("user")
-    if isinstance(user, str) and user:
-        return f"user:{user}"
-    messages = body.get("messages")
-    if isinstance(messages, list) and messages:
-        parts = []
-        for message in messages[:2]:
-            content = message.get("content") if isinstance(message, dict) else None
-            role = message.get("role") if isinstance(message, dict) else None
-            parts.append(f"{role}\x00{content if isinstance(content, str) else content!r}")
-        return "prefix:" + "\x01".join(parts)[:AFFINITY_PREFIX_CHARS]
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return "prefix:" + prompt[:AFFINITY_PREFIX_CHARS]
-    return None

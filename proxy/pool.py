@@ -26,6 +26,10 @@ class NodeState:
     """Requests this replica has open on the node right now."""
     node_waiting: int = 0
     """Requests waiting in the node's own queue (all replicas'), from its /metrics when --scrape-load is on."""
+    node_running: int = 0
+    """Requests the node is running (all replicas'), from its /metrics when --scrape-load is on."""
+    kv_usage: float = 0.0
+    """The node's KV-cache usage, 0 to 1, from its /metrics when --scrape-load is on."""
     served: int = 0
     """Requests completed through this replica (any outcome)."""
     failures: int = 0

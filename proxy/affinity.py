@@ -1,0 +1,136 @@
+"""Which conversation a request continues, from the request's own content.
+
+A conversation's later turns repeat its earlier prompt and append to it, so the part of the prompt it keeps
+is a prefix. Many conversations also share a preamble (a system prompt, few-shot examples) that says nothing
+about which conversation this is. The affinity key is therefore the prompt's first *own* block: the prompt is
+read as a chain of blocks (each block's hash covers everything before it), and the key is the block that
+follows the deepest *shared* block, one that has been seen followed by different blocks, so by different
+conversations. Whatever the preamble's length, the key is the start of the conversation's own part, and every
+later turn of the conversation has the same key.
+
+A block ends after a newline, or after ``BLOCK`` bytes without one; a chat message always ends with one. So a
+turn's own text forms whole blocks even when it is short, and the unfinished block at the end of a prompt
+(which the next turn will continue) is not read.
+
+Each replica learns which blocks are shared from the traffic it sees (a bounded table, no I/O); replicas behind
+one balancer see the same preambles, so they agree within a few requests of a new preamble. A session header
+or the body's ``user`` wins over all of this. Chat messages are read as role and content, in order; text
+prompts as UTF-8; token-id prompts as their ids.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from typing import Any
+
+BLOCK = 128
+"""Bytes per block: about 30 tokens of text, 16 token ids."""
+MAX_BYTES = 512 * 1024
+"""Only this much of a prompt is read: beyond it, a preamble is taken to be shared by nothing."""
+TABLE_SIZE = 1 << 17
+"""Blocks remembered per generation (two generations are kept: the current one and the one before)."""
+_SHARED = -1
+
+
+class PrefixIndex:
+    """Block successors seen so far; ``key(prompt)`` as the module docstring says."""
+
+    def __init__(self, table_size: int = TABLE_SIZE) -> None:
+        self._size = table_size
+        self._new: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+
+    def _successor(self, block: int) -> int | None:
+        found = self._new.get(block)
+        if found is None:
+            found = self._old.get(block)
+            if found is not None:
+                self._new[block] = found
+        return found
+
+    def key(self, data: bytes, *, newlines: bool = True) -> int:
+        """The hash of the first block after the deepest shared one (or of the first block, or of all of
+        ``data`` when it has no whole block). ``newlines``: blocks end after a newline too (text, not ids)."""
+        data = data[:MAX_BYTES]
+        view, size = memoryview(data), len(data)
+        crc = adler = 1
+        key = previous = 0
+        new = self._new
+        start = 0
+        while start < size:
+            limit = start + BLOCK
+            newline = data.find(b"\n", start, limit) if newlines else -1
+            if newline >= 0:
+                stop = newline + 1
+            elif limit <= size:
+                stop = limit
+            else:
+                break  # the unfinished block at the end
+            block = view[start:stop]
+            crc, adler = zlib.crc32(block, crc), zlib.adler32(block, adler)
+            current = (crc << 32) | adler
+            if start == 0:
+                key = current
+            else:
+                successor = self._successor(previous)
+                if successor is None:
+                    new[previous] = current
+                elif successor != current:  # followed by something else before, or known to be shared
+                    if successor != _SHARED:
+                        new[previous] = _SHARED
+                    key = current
+            previous = current
+            start = stop
+        if len(new) > self._size:
+            self._old, self._new = new, {}
+        if start == 0:
+            return (zlib.crc32(data) << 32) | zlib.adler32(data)
+        return key
+
+
+def prompt_bytes(body: dict[str, Any]) -> tuple[bytes, bool] | None:
+    """The prompt as the bytes its key is read from (messages as role and content, each ending in a newline;
+    text; token ids), and whether newlines end blocks (not in ids)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            parts.append(f"{message.get('role')}\x1f")
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                for part in content:
+                    if isinstance(part, dict):
+                        value = part.get("text") or part.get("image_url") or part.get("input_audio")
+                        parts.append(value if isinstance(value, str) else repr(value))
+            parts.append("\n")
+        return "".join(parts).encode("utf-8", "surrogatepass"), True
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass"), True
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        try:
+            return array("q", prompt).tobytes(), False
+        except OverflowError:
+            return None
+    return None
+
+
+def affinity_key(index: PrefixIndex, body: dict[str, Any], session: str | None) -> str | None:
+    """What the affinity policy routes by: the session header, else the body's ``user``, else the prompt's
+    first own block; None when the request has none of these."""
+    if session:
+        return f"session:{session}"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return f"user:{user}"
+    found = prompt_bytes(body)
+    if found is None:
+        return None
+    return f"prefix:{index.key(found[0], newlines=found[1]):x}"

@@ -1,0 +1,99 @@
+"""The affinity key comes from the part of the prompt a conversation keeps, whatever preamble many share; and
+the cache-aware policy sends a key to the same node on every replica unless that node is overloaded."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from proxy.affinity import BLOCK, PrefixIndex, affinity_key
+from proxy.balancer import CacheAware
+from proxy.pool import NodeState
+from proxy.records import Node, Role
+
+PREAMBLE = "You are a helpful assistant. Follow the house rules below. " * 200  # ~12 KB, shared by every session
+
+
+def chat(session: int, turns: int, preamble: str = PREAMBLE) -> dict[str, Any]:
+    messages = [{"role": "system", "content": preamble},
+                {"role": "user", "content": f"session {session}: tell me about topic {session * 7919} " * 3}]
+    for turn in range(1, turns):
+        messages += [{"role": "assistant", "content": f"answer {turn} of session {session} " * 5},
+                     {"role": "user", "content": f"and then {turn}?"}]  # fmt: skip
+    return {"model": "m", "messages": messages}
+
+
+def completion(session: int, turns: int, preamble: str = PREAMBLE) -> dict[str, Any]:
+    # A chat kept as text, as completion clients do: turns on their own lines, the prompt ending in "A:".
+    prompt = preamble + f"\nQ: what is {session * 104729}?\nA:"
+    for turn in range(1, turns):
+        prompt += f" answer {turn} for {session}.\nQ: more {turn}?\nA:"
+    return {"model": "m", "prompt": prompt}
+
+
+def test_every_turn_of_a_conversation_has_the_same_key_and_conversations_differ() -> None:
+    for build in (chat, completion):
+        index = PrefixIndex()
+        keys: dict[int, set[str | None]] = {}
+        for turns in range(1, 7):
+            for session in range(8):
+                keys.setdefault(session, set()).add(affinity_key(index, build(session, turns), None))
+        # The very first request cannot know the preamble is shared: session 0's first turn is keyed on the
+        # preamble. From the second session on, a replica knows, and every turn has its conversation's key.
+        assert len(keys[0]) == 2
+        assert all(len(keys[s]) == 1 for s in range(1, 8)), (build.__name__, keys)
+        assert len(set.union(*keys.values())) == 9, build.__name__
+
+
+def test_a_preamble_longer_than_each_sessions_own_part_does_not_merge_sessions() -> None:
+    index = PrefixIndex()
+    long_preamble = "x" * (50 * BLOCK)
+    for turns in (1, 2, 3):
+        keys = {affinity_key(index, chat(s, turns, long_preamble), None) for s in range(16)}
+    assert len(keys) == 16
+
+
+def test_token_id_prompts_are_keyed_like_text() -> None:
+    index = PrefixIndex()
+    shared = list(range(1000, 1400))
+    keys = [{affinity_key(index, {"prompt": shared + [s] * 40 + [7] * turn}, None) for turn in range(3)}
+            for s in range(5)]  # fmt: skip
+    assert all(len(k) == 1 for k in keys[1:]) and len({next(iter(k)) for k in keys[1:]}) == 4
+
+
+def test_a_session_header_or_user_wins() -> None:
+    index = PrefixIndex()
+    assert affinity_key(index, chat(1, 1), "abc") == "session:abc"
+    assert affinity_key(index, {**chat(1, 1), "user": "u1"}, None) == "user:u1"
+
+
+def nodes(count: int) -> list[NodeState]:
+    return [NodeState(node=Node(node_id=f"n{i}:1", role=Role.MIXED, url=f"http://n{i}:1", models=("m",)))
+            for i in range(count)]  # fmt: skip
+
+
+def test_cache_aware_sends_a_key_to_the_same_node_on_every_replica_and_spreads_keys() -> None:
+    a, b = CacheAware(), CacheAware()
+    pool_a, pool_b = nodes(4), nodes(4)
+    homes = Counter()
+    for key in (f"prefix:{i:x}" for i in range(400)):
+        first = a.choose(pool_a, key=key)
+        assert first is not None and first.node.url == b.choose(pool_b[::-1], key=key).node.url  # type: ignore[union-attr]
+        homes[first.node.node_id] += 1
+    assert len(homes) == 4 and max(homes.values()) < 140
+
+
+def test_cache_aware_moves_a_key_only_off_a_really_overloaded_node_and_all_replicas_agree() -> None:
+    pool = nodes(4)
+    key = "prefix:beef"
+    home = CacheAware().choose(pool, key=key)
+    assert home is not None
+    for state in pool:
+        state.node_running = 4
+    home.node_running = 7  # busier than the rest, not overloaded: the key stays
+    assert CacheAware().choose(pool, key=key) is home
+    home.node_running, home.node_waiting = 12, 5  # a queue far above the others: the key moves
+    second = {CacheAware().choose(pool, key=key).node.node_id for _ in range(5)}  # type: ignore[union-attr]
+    assert len(second) == 1 and home.node.node_id not in second
+    home.node_running, home.node_waiting, home.kv_usage = 1, 0, 0.99  # KV cache full: moves too
+    assert CacheAware().choose(pool, key=key) is not home
