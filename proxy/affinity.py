@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
+from dataclasses import dataclass
 from typing import Any
 
 BLOCK = 128
@@ -52,10 +53,14 @@ class PrefixIndex:
     def key(self, data: bytes, *, newlines: bool = True) -> int:
         """The hash of the first block after the deepest shared one (or of the first block, or of all of
         ``data`` when it has no whole block). ``newlines``: blocks end after a newline too (text, not ids)."""
+        return self.read(data, newlines=newlines).key
+
+    def read(self, data: bytes, *, newlines: bool = True) -> Prefix:
+        """The key (see ``key``) and how much of ``data`` this replica has seen before in other requests."""
         data = data[:MAX_BYTES]
         view, size = memoryview(data), len(data)
         crc = adler = 1
-        key = previous = 0
+        key = previous = known = 0
         new = self._new
         start = 0
         while start < size:
@@ -72,6 +77,8 @@ class PrefixIndex:
             current = (crc << 32) | adler
             if start == 0:
                 key = current
+                if self._successor(current) is not None:
+                    known = stop
             else:
                 successor = self._successor(previous)
                 if successor is None:
@@ -80,13 +87,27 @@ class PrefixIndex:
                     if successor != _SHARED:
                         new[previous] = _SHARED
                     key = current
+                elif known == start:
+                    known = stop  # this very block came after the one before it in an earlier request
             previous = current
             start = stop
         if len(new) > self._size:
             self._old, self._new = new, {}
         if start == 0:
-            return (zlib.crc32(data) << 32) | zlib.adler32(data)
-        return key
+            return Prefix(key=(zlib.crc32(data) << 32) | zlib.adler32(data), known=0, size=size)
+        return Prefix(key=key, known=known, size=size)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefix:
+    """What ``PrefixIndex.read`` found in a prompt."""
+
+    key: int
+    """The conversation's affinity key."""
+    known: int
+    """Bytes at the start of the prompt seen before (so likely in some node's prefix cache)."""
+    size: int
+    """Bytes read (at most ``MAX_BYTES``)."""
 
 
 def prompt_bytes(body: dict[str, Any]) -> tuple[bytes, bool] | None:
@@ -122,15 +143,35 @@ def prompt_bytes(body: dict[str, Any]) -> tuple[bytes, bool] | None:
     return None
 
 
-def affinity_key(index: PrefixIndex, body: dict[str, Any], session: str | None) -> str | None:
-    """What the affinity policy routes by: the session header, else the body's ``user``, else the prompt's
-    first own block; None when the request has none of these."""
+BYTES_PER_TOKEN = 4
+"""A rough size of a text token, to turn bytes into tokens for --pd-min-prompt-tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """What routing takes from a request's content."""
+
+    key: str | None
+    """The affinity key: session header, else the body's ``user``, else the prompt's first own block."""
+    uncached_tokens: int | None
+    """Roughly how many of the prompt's tokens no earlier request had (None: unknown)."""
+
+
+def route_hints(index: PrefixIndex | None, body: dict[str, Any], session: str | None) -> Hints:
+    """The affinity key and the uncached part of the prompt (``index`` None: no prefix reading at all)."""
+    found = prompt_bytes(body) if index is not None else None
+    prefix = index.read(found[0], newlines=found[1]) if index is not None and found is not None else None
+    uncached = None
+    if prefix is not None and found is not None:
+        uncached = (prefix.size - prefix.known) // (BYTES_PER_TOKEN if found[1] else 8)
     if session:
-        return f"session:{session}"
+        return Hints(key=f"session:{session}", uncached_tokens=uncached)
     user = body.get("user")
     if isinstance(user, str) and user:
-        return f"user:{user}"
-    found = prompt_bytes(body)
-    if found is None:
-        return None
-    return f"prefix:{index.key(found[0], newlines=found[1]):x}"
+        return Hints(key=f"user:{user}", uncached_tokens=uncached)
+    return Hints(key=f"prefix:{prefix.key:x}" if prefix is not None else None, uncached_tokens=uncached)
+
+
+def affinity_key(index: PrefixIndex, body: dict[str, Any], session: str | None) -> str | None:
+    """What the affinity policies route by (see ``Hints.key``)."""
+    return route_hints(index, body, session).key

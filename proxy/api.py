@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.affinity import PrefixIndex, affinity_key
+from proxy.affinity import Hints, PrefixIndex, route_hints
 from proxy.disagg import Disaggregator
 from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
@@ -38,6 +38,7 @@ KNOWN_ROUTES = frozenset(
 """Routes named as such in metrics; any other forwarded path counts as /v1/other."""
 GENERATE_ROUTES = frozenset(["/v1/completions", "/v1/chat/completions"])
 _MIXED_ROLES = (Role.MIXED, Role.DECODE)
+_NO_HINTS = Hints(key=None, uncached_tokens=None)
 
 
 class OpenAIRoutes:
@@ -56,6 +57,8 @@ class OpenAIRoutes:
         affinity: bool = False,
     ) -> None:
         self._affinity = affinity
+        self._pd_min_prompt_tokens = settings.pd_min_prompt_tokens
+        self._read_prompts = affinity or settings.pd_min_prompt_tokens > 0
         self._prefixes = PrefixIndex()
         self._settings = settings
         self._keys = keys
@@ -106,9 +109,10 @@ class OpenAIRoutes:
             target = scope["raw_path"] if scope.get("raw_path") else path.encode()
             if query:
                 target += b"?" + query
+            hints = route_hints(self._prefixes, body, client.session) if self._read_prompts else _NO_HINTS
             request = _Request(path=path, target=target, model=model, head=header_lines(client.forwarded),
-                               affinity=affinity_key(self._prefixes, body, client.session) if self._affinity
-                               else None)  # fmt: skip
+                               affinity=hints.key if self._affinity else None,
+                               uncached_tokens=hints.uncached_tokens)  # fmt: skip
             mode, exchange = self._exchange(request, raw, body)
             if self._max_resumes and not_resumable(path, body) is None:
 
@@ -134,8 +138,13 @@ class OpenAIRoutes:
                   avoid: tuple[NodeState, ...] = ()) -> tuple[str, Exchange]:  # fmt: skip
         """The flow for this request and body: ("disagg" or "mixed", what runs it)."""
         pool, model, head = self._pool, request.model, request.head
+        roles = _MIXED_ROLES
         if request.path in GENERATE_ROUTES and pool.candidates(Role.PREFILL, model) and \
                 pool.candidates(Role.DECODE, model):  # fmt: skip
+            uncached = request.uncached_tokens
+            if uncached is not None and uncached < self._pd_min_prompt_tokens:
+                # So little of the prompt is new that a prefill leg costs more than it saves.
+                return "decode", self._one_leg(request, raw, (Role.DECODE, Role.MIXED), avoid)
             disagg = self._disagg
 
             async def disaggregated() -> Upstream | ErrorAnswer:
@@ -143,16 +152,20 @@ class OpenAIRoutes:
                                         affinity=request.affinity, avoid=avoid)  # fmt: skip
 
             return "disagg", disaggregated
-        self._check_routable(model, _MIXED_ROLES)
+        self._check_routable(model, roles)
+        return "mixed", self._one_leg(request, raw, roles, avoid)
+
+    def _one_leg(self, request: _Request, raw: bytes, roles: tuple[Role, ...],
+                 avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
         # Not disaggregated: the body goes to the node byte for byte.
-        leg = Leg(roles=_MIXED_ROLES, model=model, path=request.target, head=head, body=raw,
+        leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity)  # fmt: skip
         forwarder = self._forwarder
 
         async def one_leg() -> Upstream | ErrorAnswer:
             return await forwarder.open(leg, avoid)
 
-        return "mixed", one_leg
+        return one_leg
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,3 +178,4 @@ class _Request:
     model: str
     head: bytes
     affinity: str | None
+    uncached_tokens: int | None

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         add(f"--{role}-policy", choices=sorted(POLICIES), help=f"policy for {role} nodes (default: --policy)")
     add("--affinity-header", default="x-session-id", help="session header for consistent-hash (default "
         "x-session-id; without it: the body's user, else the prompt's start)")  # fmt: skip
+    add("--pd-min-prompt-tokens", type=int, default=0, help="for a prefill/decode model: a prompt with fewer new "
+        "tokens than this (those no earlier request had, so no prefix cache holds) skips the prefill leg and goes "
+        "straight to a decode node (default 0: never)")  # fmt: skip
     add("--scrape-load", type=float, default=0.0, help="seconds between scrapes of each node's /metrics queue "
         "for the load-aware policies (default 0: off)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
@@ -167,7 +170,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         affinity_header=args.affinity_header.lower(),
         role_policies=tuple((r, getattr(args, f"{r}_policy")) for r in ("prefill", "decode", "mixed")
                             if getattr(args, f"{r}_policy")),
-        scrape_load=args.scrape_load,
+        scrape_load=args.scrape_load, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,

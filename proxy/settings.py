@@ -61,6 +61,9 @@ class ProxySettings:
     """(role, policy) pairs overriding ``policy`` for one role, e.g. consistent-hash for prefill only."""
     affinity_header: str = "x-session-id"
     """Header naming a session for consistent-hash; else the body's ``user``, else the prompt's start."""
+    pd_min_prompt_tokens: int = 0
+    """A disaggregated model's request whose prompt has fewer new (uncached) tokens than this skips the prefill
+    leg and goes straight to a decode node; 0 never skips."""
     scrape_load: float = 0.0
     """Seconds between scrapes of each node's /metrics queue for the load-aware policies; 0 = off."""
     max_resumes: int = 2
