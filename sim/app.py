@@ -6,6 +6,7 @@ Routes: GET /health, /metrics, /version, /v1/models; POST /v1/completions, /v1/c
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -47,12 +48,15 @@ def _record(request: Request) -> Record:
     return record
 
 
-async def _json_body(request: Request) -> Any:
+async def _json_body(request: Request, record: Record | None = None) -> Any:
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+    raw = await request.body()
+    if record is not None:
+        record.body_sha256 = hashlib.sha256(raw).hexdigest()
     try:
-        return json.loads(await request.body())
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"JSON decode error: {exc}") from None
 
@@ -62,7 +66,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     settings = engine.settings
     record = _record(request)
     try:
-        req = protocol.parse(kind, await _json_body(request))
+        req = protocol.parse(kind, await _json_body(request, record))
         record.model, record.stream, record.prompt_tokens = req.model, req.stream, req.prompt_tokens
         record.max_tokens, record.kv_transfer_params = req.max_tokens, req.kv_transfer_params
         protocol.check_model(req.model, settings.models)

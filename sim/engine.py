@@ -85,6 +85,8 @@ class Record:
     """The Authorization header as received (tests check what the proxy forwarded)."""
     cookie: str | None = None
     """The Cookie header as received (tests check that one client's cookies never reach another's request)."""
+    body_sha256: str | None = None
+    """SHA-256 of the request body as received (tests check what the proxy forwarded, byte for byte)."""
     received_at: float = field(default_factory=time.time)
     model: str | None = None
     stream: bool = False

@@ -42,10 +42,8 @@ def test_quick_bench_reports_every_scenario_with_all_requests_succeeded(report: 
                 assert x["ttft_ms"]["p50"] > 0
         assert s["throughput_ratio"] > 0
         assert s["added_ms"]["p50"] is not None and s["added_ms"]["p99"] is not None
-        assert s["proxy_cpu_s_per_1000_requests"] >= 0
         if s["stream"]:
             assert s["proxy"]["relayed_chunks"] > 0
-            assert s["proxy_cpu_s_per_1000_chunks"] >= 0
 
 
 def test_quick_bench_headline_has_the_proxy_cpu_figures(report: dict[str, Any]) -> None:

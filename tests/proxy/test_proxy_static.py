@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,10 +101,14 @@ def test_stream_is_relayed_chunk_by_chunk_not_buffered(proxy: ProxyProc, fleet: 
 
 
 def test_mixed_model_is_forwarded_byte_for_byte(proxy: ProxyProc, fleet: dict[str, SimNode]) -> None:
-    raw = b'{"model":"other-model","prompt":"hi","max_tokens":2,"vllm_xargs":{"k":1}}'
-    response = proxy.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    # Odd spacing, key order, escapes and non-ASCII: any re-encoding would change these bytes.
+    raw = '{ "prompt":"h\\u00e9 – 你好" ,"model":"other-model",  "max_tokens":2,"vllm_xargs":{"k":1.50}}\n'.encode()
+    response = proxy.post("/v1/completions", content=raw, headers={"content-type": "application/json",
+                                                                   "x-request-id": "byte-for-byte"})  # fmt: skip
     assert response.status_code == 200
     assert response.headers["x-sim-node"] == fleet["mixed"].host_port
+    seen = fleet["mixed"].wait_for_request(request_id="byte-for-byte")
+    assert seen["body_sha256"] == hashlib.sha256(raw).hexdigest()
     assert fleet["prefill"].requests() == []
 
 
