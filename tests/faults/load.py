@@ -417,7 +417,7 @@ class _StreamReader:
         self.identities.add((event.get("id"), event.get("created"), event.get("model")))
         usage = event.get("usage")
         if isinstance(usage, dict) and "completion_tokens" in usage:
-            self.usage = (usage.get("prompt_tokens"), usage["completion_tokens"])
+            self.usage = (int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
         for choice in event.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue

@@ -89,5 +89,17 @@ class Burst:
 
 def differing(outcomes: Iterable[Outcome], expected: Mapping[str, Answer]) -> list[str]:
     """One line per outcome whose answer is not the expected one (empty when all are)."""
-    return [f"{o.request_id} via {o.replica} node={o.node} {o.result}: got {o.answer}, a healthy node answers "
-            f"{expected[o.request_id]}" for o in outcomes if o.answer != expected[o.request_id]]  # fmt: skip
+    return [f"{o.request_id} via {o.replica} node={o.node} {o.result}: {_difference(o.answer, expected[o.request_id])}"
+            for o in outcomes if o.answer != expected[o.request_id]]  # fmt: skip
+
+
+def _difference(got: Answer | None, want: Answer) -> str:
+    if got is None:
+        return "no answer"
+    if got.text != want.text:
+        words, wanted = got.text.split(), want.text.split()
+        pairs = enumerate(zip(words, wanted, strict=False))
+        at = next((i for i, (a, b) in pairs if a != b), min(len(words), len(wanted)))
+        return (f"{len(words)} words where a healthy node gives {len(wanted)}, differing from word {at}: "
+                f"got {words[at : at + 3]}, want {wanted[at : at + 3]}")  # fmt: skip
+    return f"finish/usage {got.finish_reason}/{got.usage}, a healthy node gives {want.finish_reason}/{want.usage}"

@@ -110,7 +110,6 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
         burst = Burst.spawn(load, fleet.replicas, model)
         wait_until(lambda: burst.busy(victim), 15, f"{AT_ONCE} streams and 2 full answers generating on the victim")
         at_kill = Snapshot.of(victim)
-        killing = time.monotonic()
         fleet.crash(victim)
         killed, killed_wall = time.monotonic(), time.time()
         deleted = watch.wait_for("DELETE", victim.key, timeout=fleet.ttl + 10)
@@ -122,19 +121,18 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
     by_id = {o.request_id: o for o in outcomes}
     resumes = resumes_logged(fleet.replicas)
     resumed = {r.request_id for r in resumes}
-    retried = {i for i in at_kill.full if by_id[i].ended >= killing}
-    checked = resumed | retried | set(burst.futures)
+    # The burst's requests have ~2 s to go at the kill: those on the victim cannot have ended on it before it died.
+    must_resume, must_retry = at_kill.streams & set(burst.futures), at_kill.full & set(burst.futures)
+    checked = resumed | at_kill.streams | at_kill.full | set(burst.futures)
     expected = expected_answers((witness.sim.url, by_id[i]) for i in checked)
     report(3, f"kill -9 of a {role} node mid-stream", outcomes, streams_on_victim=len(at_kill.streams),
-           full_on_victim=len(at_kill.full), resumed=len(resumed), retried_full=len(retried),
+           full_on_victim=len(at_kill.full), resumed=len(resumed),
            compared_with_a_healthy_node=len(checked), started_after_kill=sum(o.started >= killed for o in outcomes),
            lease_expired_after_s=round(deleted.wall - killed_wall, 2))  # fmt: skip
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert len(at_kill.streams) >= AT_ONCE, f"only {len(at_kill.streams)} streams on the victim at the kill"
-    # Every stream on the victim at the kill went on from another node (unless it had ended just before).
-    not_resumed = {i for i in at_kill.streams - resumed if by_id[i].ended >= killing}
-    assert not not_resumed, f"streams on the victim not resumed (logs in {logs_dir}): {sorted(not_resumed)}"
+    assert must_resume <= resumed, f"streams not resumed (logs in {logs_dir}): {sorted(must_resume - resumed)}"
     elsewhere = [r for r in resumes if r.source != victim.node_id or r.target in (victim.node_id, "")]
     assert not elsewhere, f"resumes other than from the victim to another node: {elsewhere}"
     assert all(by_id[i].node == victim.node_id and by_id[i].stream for i in resumed)
@@ -142,12 +140,11 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
     assert resumes_counted(fleet.replicas, "resumed") == len(resumes) == len(resumed)
     assert resumes_counted(fleet.replicas, "failed") == resumes_counted(fleet.replicas, "exhausted") == 0
     # A full answer cut off by the kill was sent whole to another node, and nothing reached the client before.
-    assert retried and all(by_id[i].node not in (victim.node_id, None) for i in retried), describe(
-        [by_id[i] for i in retried])
+    assert must_retry and all(by_id[i].node not in (victim.node_id, None) for i in must_retry), describe(
+        [by_id[i] for i in must_retry])
     # The burst's other requests went through the usual flow and agree with the direct requests: that makes the
     # healthy node's answer the right reference (for a P/D fleet, decode alone gives what prefill + decode give).
-    untouched = set(burst.futures) - resumed - retried
-    assert len(untouched) >= 4
+    assert len(set(burst.futures) - must_resume - must_retry) >= 4
     wrong = differing((by_id[i] for i in sorted(checked)), expected)
     assert not wrong, f"{len(wrong)} answers differ from a healthy node's ({logs_dir}):\n" + "\n".join(wrong[:4])
     assert deleted.wall - killed_wall <= fleet.ttl + 3, "the lease outlived its TTL by far"
