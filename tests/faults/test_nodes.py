@@ -1,6 +1,7 @@
 """Nodes come, go, restart, crash and hang under a steady load through two replicas; every request counts.
 
-Scenarios 1-4 of issue 3. Each prints its request counts (run pytest with -s or -rA to see them).
+Scenarios 1-4 of issue 3, and 10 (a node hangs mid-stream). Each prints its request counts (run pytest with -s
+or -rA to see them).
 """
 
 from __future__ import annotations
@@ -148,6 +149,59 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
     wrong = differing((by_id[i] for i in sorted(checked)), expected)
     assert not wrong, f"{len(wrong)} answers differ from a healthy node's ({logs_dir}):\n" + "\n".join(wrong[:4])
     assert deleted.wall - killed_wall <= fleet.ttl + 3, "the lease outlived its TTL by far"
+
+
+IDLE_TIMEOUT = 1.0
+"""--stream-idle-timeout in scenario 10: how long a replica waits on a silent stream before resuming it."""
+HANG_FULL_TOKENS = 100
+"""Tokens of the burst's full answers in scenario 10 (~1 s), well within its --first-byte-timeout: a full answer
+stuck on the hung node goes whole to another node after that timeout."""
+HANG_FLAGS = ("--stream-idle-timeout", str(IDLE_TIMEOUT), "--first-byte-timeout", "4")
+
+
+def test_node_hanging_mid_stream_has_its_streams_resumed_after_the_idle_timeout_with_the_same_text(
+    fleet: Fleet, logs_dir: Path
+) -> None:
+    fleet.start(proxy_flags=HANG_FLAGS)
+    victim, witness = _victim_and_witness(fleet, "decode")
+    with Load([r.url for r in fleet.replicas], stream_max_tokens=LONG_STREAM) as load:
+        load.wait_for(20)
+        burst = Burst.spawn(load, fleet.replicas, MODEL, full_tokens=HANG_FULL_TOKENS)
+        wait_until(lambda: burst.busy(victim), 15, f"{AT_ONCE} streams and 2 full answers generating on the victim")
+        at_hang = Snapshot.of(victim)
+        # Every generation on the victim stops before its next token, connections open: a wedged engine.
+        victim.sim.configure(hang_after_tokens=1)
+        hung = time.monotonic()
+        burst.outcomes()
+        load.wait_for(20, after=hung)
+    outcomes = load.outcomes()
+    by_id = {o.request_id: o for o in outcomes}
+    resumes = resumes_logged(fleet.replicas)
+    resumed = {r.request_id for r in resumes}
+    # The burst's requests have ~1-2 s to go at the hang: those on the victim cannot have ended on it.
+    must_resume, must_retry = at_hang.streams & set(burst.futures), at_hang.full & set(burst.futures)
+    checked = resumed | at_hang.streams | at_hang.full | set(burst.futures)
+    expected = expected_answers((witness.sim.url, by_id[i]) for i in checked)
+    on_victim = {r["request_id"]: r for r in victim.sim.requests()}
+    report(10, "a decode node hangs mid-stream", outcomes, streams_on_victim=len(at_hang.streams),
+           full_on_victim=len(at_hang.full), resumed=len(resumed),
+           compared_with_a_healthy_node=len(checked))  # fmt: skip
+    failed = [o for o in outcomes if not o.succeeded]
+    assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
+    assert len(at_hang.streams) >= AT_ONCE, f"only {len(at_hang.streams)} streams on the victim at the hang"
+    assert must_resume <= resumed, f"streams not resumed (logs in {logs_dir}): {sorted(must_resume - resumed)}"
+    wrong_resumes = [r for r in resumes if r.source != victim.node_id or r.target in (victim.node_id, "")
+                     or "stream idle timeout" not in r.reason]  # fmt: skip
+    assert not wrong_resumes, f"resumes other than from the silent victim: {wrong_resumes}"
+    assert resumes_counted(fleet.replicas, "resumed") == len(resumes) == len(resumed)
+    assert resumes_counted(fleet.replicas, "failed") == resumes_counted(fleet.replicas, "exhausted") == 0
+    # The replicas let go of the silent streams: the node saw each client leave (its slots are free again).
+    held = sorted(i for i in resumed if on_victim[i]["state"] != "cancelled")
+    assert not held, f"resumed streams still held open on the hung node: {held}"
+    assert must_retry and all(by_id[i].node not in (victim.node_id, None) for i in must_retry), describe(
+        [by_id[i] for i in must_retry])
+    wrong = differing((by_id[i] for i in sorted(checked)), expected)
+    assert not wrong, f"{len(wrong)} answers differ from a healthy node's ({logs_dir}):\n" + "\n".join(wrong[:4])
 
 
 HANG_TIMEOUT = 1.5
