@@ -1,7 +1,8 @@
 """Nodes come, go, restart, crash and hang under a steady load through two replicas; every request counts.
 
-Scenarios 1-4 of issue 3, and 10 (a node hangs mid-stream). Each prints its request counts (run pytest with -s
-or -rA to see them).
+Scenarios 1-4 of issue 3, and 10-11: with stream resume, a node that dies or hangs mid-stream costs no request
+(scenarios 3 and 10), except the streams that must not resume (11). Each prints its request counts (run pytest
+with -s or -rA to see them).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.fleet import Fleet, FleetNode, holds, resumes_counted, resumes_logged
-from tests.faults.load import MIXED_MODEL, MODEL, Load, describe, expected_answers, report
+from tests.faults.fleet import Fleet, FleetNode, broken_logged, holds, resumes_counted, resumes_logged
+from tests.faults.load import MIXED_MODEL, MODEL, SSE_ERROR, Load, describe, expected_answers, report
 from tests.faults.midstream import AT_ONCE, Burst, Snapshot, differing
 from tests.support.blackhole import Blackhole
 from tests.support.etcd_watch import EtcdWatch
@@ -201,6 +202,56 @@ def test_node_hanging_mid_stream_has_its_streams_resumed_after_the_idle_timeout_
     assert must_retry and all(by_id[i].node not in (victim.node_id, None) for i in must_retry), describe(
         [by_id[i] for i in must_retry])
     wrong = differing((by_id[i] for i in sorted(checked)), expected)
+    assert not wrong, f"{len(wrong)} answers differ from a healthy node's ({logs_dir}):\n" + "\n".join(wrong[:4])
+
+
+GUIDED = {"guided_json": {"type": "object"}}
+"""Guided decoding: a continuation could not honour the grammar's state, so such a stream must not resume."""
+
+
+def test_kill_9_mid_stream_ends_streams_that_must_not_resume_with_the_error_event_as_before(
+    fleet: Fleet, logs_dir: Path
+) -> None:
+    fleet.start()
+    victim, witness = _victim_and_witness(fleet, "decode")
+    with Load([r.url for r in fleet.replicas], stream_max_tokens=LONG_STREAM) as load:
+        load.wait_for(20)
+        guided = Burst.spawn(load, fleet.replicas, MODEL, tag="guided", streams=12, full=0, extra=GUIDED)
+        plain = Burst.spawn(load, fleet.replicas, MODEL, tag="plain", streams=8, full=0)
+        wait_until(lambda: guided.busy(victim, streams=3, full=0) and plain.busy(victim, streams=2, full=0), 15,
+                   "guided and plain streams generating on the victim")  # fmt: skip
+        at_kill = Snapshot.of(victim)
+        fleet.crash(victim)
+        killed = time.monotonic()
+        guided.outcomes()
+        plain.outcomes()
+        load.wait_for(20, after=killed)
+    outcomes = load.outcomes()
+    by_id = {o.request_id: o for o in outcomes}
+    cut = at_kill.streams & set(guided.futures)
+    resumes = resumes_logged(fleet.replicas)
+    resumed = {r.request_id for r in resumes}
+    expected = expected_answers((witness.sim.url, by_id[i]) for i in [*guided.futures, *plain.futures])
+    report(11, "kill -9 mid-stream of streams that must not resume", outcomes, guided_on_victim=len(cut),
+           plain_on_victim=len(at_kill.streams & set(plain.futures)), resumed=len(resumed))  # fmt: skip
+    failed = [o for o in outcomes if not o.succeeded and o.request_id not in cut]
+    assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
+    assert len(cut) >= 3
+    # As before resume existed: the tokens so far, one error event, one [DONE]; logged as a broken stream.
+    ended = [by_id[i] for i in sorted(cut)]
+    wrong_end = [o for o in ended if not (o.result == SSE_ERROR and o.error_events == 1 and o.dones == 1
+                                          and o.node == victim.node_id and o.answer is not None and o.answer.text
+                                          and expected[o.request_id].text.startswith(o.answer.text)
+                                          and o.answer.text != expected[o.request_id].text)]  # fmt: skip
+    assert not wrong_end, f"guided streams on the victim did not end with the error event:\n{describe(wrong_end)}"
+    assert cut <= broken_logged(fleet.replicas)
+    assert not cut & resumed, f"streams that must not resume were resumed: {sorted(cut & resumed)}"
+    # ...while the resumable streams on the victim, killed at the same moment, did resume; only they were counted.
+    assert at_kill.streams & set(plain.futures) <= resumed
+    assert resumes_counted(fleet.replicas, "resumed") == len(resumes) == len(resumed)
+    assert resumes_counted(fleet.replicas, "failed") == resumes_counted(fleet.replicas, "exhausted") == 0
+    finished = [by_id[i] for i in sorted({*guided.futures, *plain.futures} - cut)]
+    wrong = differing(finished, expected)
     assert not wrong, f"{len(wrong)} answers differ from a healthy node's ({logs_dir}):\n" + "\n".join(wrong[:4])
 
 
