@@ -154,9 +154,9 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
 
 IDLE_TIMEOUT = 1.0
 """--stream-idle-timeout in scenario 10: how long a replica waits on a silent stream before resuming it."""
-HANG_FULL_TOKENS = 100
-"""Tokens of the burst's full answers in scenario 10 (~1 s), well within its --first-byte-timeout: a full answer
-stuck on the hung node goes whole to another node after that timeout."""
+HANG_FULL_TOKENS = 150
+"""Tokens of the burst's full answers in scenario 10: ~1.5 s, long enough to be caught generating on the victim,
+well within its --first-byte-timeout (a full answer stuck on the hung node goes whole to another node after it)."""
 HANG_FLAGS = ("--stream-idle-timeout", str(IDLE_TIMEOUT), "--first-byte-timeout", "4")
 
 
