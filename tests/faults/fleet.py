@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -240,6 +241,38 @@ def node_seen_by(records: Iterable[dict[str, Any]], replica_index: int, tag: str
     """The records of requests that the load sent through replica ``replica_index``."""
     prefix = f"{tag}-r{replica_index}-"
     return [r for r in records if (r.get("request_id") or "").startswith(prefix)]
+
+
+_RESUMED = re.compile(r"stream resumed request_id=(\S+) from=(\S+) to=(\S+) .*? reason=(.*)$", re.MULTILINE)
+_BROKEN = re.compile(r"stream broken request_id=(\S+)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """One "stream resumed" line of a replica's log: the stream went on from node ``source`` at ``target``."""
+
+    replica: str
+    request_id: str
+    source: str
+    target: str
+    reason: str
+
+
+def resumes_logged(replicas: Iterable[ProxyProc]) -> list[Resume]:
+    return [Resume(replica=r.proc.name, request_id=m[1], source=m[2], target=m[3], reason=m[4])
+            for r in replicas for m in _RESUMED.finditer(r.proc.log())]  # fmt: skip
+
+
+def broken_logged(replicas: Iterable[ProxyProc]) -> set[str]:
+    """Request ids of the streams the replicas logged as broken (ended with an error event)."""
+    return {m[1] for r in replicas for m in _BROKEN.finditer(r.proc.log())}
+
+
+def resumes_counted(replicas: Iterable[ProxyProc], outcome: str) -> int:
+    """``vllm_proxy_resumes_total{outcome=...}`` summed over ``replicas``."""
+    prefix = f'vllm_proxy_resumes_total{{outcome="{outcome}"}} '
+    lines = (line for r in replicas for line in r.get("/metrics").text.splitlines())
+    return sum(int(float(line[len(prefix) :])) for line in lines if line.startswith(prefix))
 
 
 def sim_requests(url: str) -> list[dict[str, Any]]:

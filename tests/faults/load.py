@@ -14,8 +14,13 @@ recorded (``GET /sim/requests``) can be traced to the replica that sent it.
 
 Outcomes: ``ok``; ``http_error`` (any status but 200); ``sse_error`` (a stream that ended with an SSE error
 event); ``transport_error`` (connection refused/reset, timeout, or a stream that ended without ``[DONE]``);
-``bad_response`` (a 200 whose body is not a completion); ``disconnected`` (a request this client abandoned on
-purpose, see ``spawn(disconnect_after=...)``). Only ``ok`` and ``disconnected`` are successes.
+``bad_response`` (a 200 whose body is not a completion, or a stream that is not one answer: several ``[DONE]``,
+events after it, or chunks under different ids); ``disconnected`` (a request this client abandoned on purpose,
+see ``spawn(disconnect_after=...)``). Only ``ok`` and ``disconnected`` are successes.
+
+Each outcome keeps the request's body and the ``Answer`` received (text, finish reason, usage), so a scenario
+can compare it with what one healthy node answers to the same body: ``expected_answers(...)``. The simulated
+model is deterministic, so they must be equal however the proxy got the answer (retried, resumed elsewhere).
 
 Like an L4 balancer with ``option redispatch``, a request whose TCP connect is refused goes to the next
 replica (nothing was sent yet); the outcome says so in ``redirected``. ``exclude(url)`` takes a replica out of
@@ -31,7 +36,7 @@ import json
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +83,16 @@ DISAGG_STREAM, MIXED_FULL, DISAGG_FULL, MIXED_STREAM = KINDS
 
 
 @dataclass(frozen=True, kw_only=True)
+class Answer:
+    """What a client got of a completion: for a deterministic model, the same from every healthy node."""
+
+    text: str
+    finish_reason: str | None
+    usage: tuple[int, int] | None
+    """(prompt_tokens, completion_tokens), when the answer carried usage."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Outcome:
     """What happened to one request. Times are ``time.monotonic()``; ``wall_*`` are ``time.time()``."""
 
@@ -98,6 +113,15 @@ class Outcome:
     """Chunks with generated text received (streams), or completion tokens (full answers)."""
     detail: str
     redirected: bool
+    path: str
+    body: dict[str, Any]
+    """The request's JSON body, as sent."""
+    answer: Answer | None = None
+    """What was received, also of a stream that ended with an error event (its text so far)."""
+    dones: int = 0
+    """``[DONE]`` events received (a stream)."""
+    error_events: int = 0
+    """SSE error events received (a stream)."""
 
     @property
     def succeeded(self) -> bool:
@@ -140,14 +164,16 @@ def describe(outcomes: Sequence[Outcome], limit: int = 10) -> str:
     return "\n".join(lines)
 
 
-def _body(kind: Kind, seq: str, max_tokens: int) -> dict[str, Any]:
+def _body(kind: Kind, seq: str, max_tokens: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": kind.model, "max_tokens": max_tokens, "stream": kind.stream,
                             "ignore_eos": True}  # fmt: skip
+    if kind.stream:
+        body["stream_options"] = {"include_usage": True}  # the final usage must count the whole answer
     if kind.path.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": f"fault load request {seq}"}]
     else:
         body["prompt"] = f"fault load request {seq}"
-    return body
+    return {**body, **(extra or {})}
 
 
 class Load:
@@ -237,12 +263,14 @@ class Load:
                    f"{count} requests of the load to finish")  # fmt: skip
 
     def spawn(
-        self, replica: str, kind: Kind, *, max_tokens: int, request_id: str, disconnect_after: int | None = None
-    ) -> concurrent.futures.Future[Outcome]:
+        self, replica: str, kind: Kind, *, max_tokens: int, request_id: str, disconnect_after: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> concurrent.futures.Future[Outcome]:  # fmt: skip
         """One extra request on the load's loop (recorded with the others); ``disconnect_after=N`` closes the
-        connection after N content chunks, as a client that goes away mid-stream."""
+        connection after N content chunks, as a client that goes away mid-stream; ``extra`` adds body fields."""
         assert self._loop is not None, "start() first"
-        coro = self._request(replica, kind, max_tokens, request_id, disconnect_after, redirect=False)
+        body = _body(kind, request_id, max_tokens, extra)
+        coro = self._request(replica, kind, body, request_id, disconnect_after, redirect=False)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     # -- the event loop's thread -----------------------------------------------------------------------------
@@ -280,19 +308,20 @@ class Load:
             kind = KINDS[seq % len(KINDS)]
             replica = active[(seq // len(KINDS)) % len(active)]
             tokens = self.stream_max_tokens if kind.stream else self.max_tokens
-            index_of = self.replicas.index(replica)
-            await self._request(replica, kind, tokens, f"{self.tag}-r{index_of}-{seq}", None, redirect=True)
+            request_id = f"{self.tag}-r{self.replicas.index(replica)}-{seq}"
+            await self._request(replica, kind, _body(kind, request_id, tokens, None), request_id, None, redirect=True)
             await asyncio.sleep(self.pause)
 
     async def _request(
-        self, replica: str, kind: Kind, max_tokens: int, request_id: str, disconnect_after: int | None,
+        self, replica: str, kind: Kind, body: dict[str, Any], request_id: str, disconnect_after: int | None,
         *, redirect: bool,
     ) -> Outcome:  # fmt: skip
         started, wall_started = time.monotonic(), time.time()
         tried = [replica]
+        assert self._client is not None
         while True:
             try:
-                fields = await self._send(replica, kind, max_tokens, request_id, disconnect_after)
+                fields = await _exchange(self._client, replica + kind.path, body, request_id, disconnect_after)
                 break
             except httpx.ConnectError as exc:
                 with self._lock:
@@ -310,73 +339,137 @@ class Load:
             request_id=request_id, replica=replica, kind=kind.name, stream=kind.stream, started=started,
             ended=fields.get("left_at", time.monotonic()), wall_started=wall_started, wall_ended=time.time(),
             status=fields.get("status"), node=fields.get("node"), tokens=fields.get("tokens", 0),
-            result=fields["result"], detail=fields.get("detail", ""), redirected=len(tried) > 1,
+            result=fields["result"], detail=fields.get("detail", ""), redirected=len(tried) > 1, path=kind.path,
+            body=body, answer=fields.get("answer"), dones=fields.get("dones", 0),
+            error_events=fields.get("error_events", 0),
         )  # fmt: skip
         with self._lock:
             self._outcomes.append(outcome)
         return outcome
 
-    async def _send(
-        self, replica: str, kind: Kind, max_tokens: int, request_id: str, disconnect_after: int | None
-    ) -> dict[str, Any]:
-        assert self._client is not None
-        body = _body(kind, request_id, max_tokens)
-        headers = {"x-request-id": request_id}
-        async with self._client.stream("POST", replica + kind.path, json=body, headers=headers) as response:
-            fields: dict[str, Any] = {"status": response.status_code, "node": response.headers.get("x-sim-node")}
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                return {**fields, "result": HTTP_ERROR, "detail": text[:300]}
-            if not kind.stream:
-                return {**fields, **_full_answer(await response.aread())}
-            return {**fields, **await _stream_answer(response, disconnect_after)}
+
+async def _exchange(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], request_id: str, disconnect_after: int | None
+) -> dict[str, Any]:
+    """POST ``body`` to ``url`` and read the answer: the fields of an ``Outcome`` it decides."""
+    headers = {"x-request-id": request_id}
+    async with client.stream("POST", url, json=body, headers=headers) as response:
+        fields: dict[str, Any] = {"status": response.status_code, "node": response.headers.get("x-sim-node")}
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            return {**fields, "result": HTTP_ERROR, "detail": text[:300]}
+        if not body.get("stream"):
+            return {**fields, **_full_answer(await response.aread())}
+        return {**fields, **await _stream_answer(response, disconnect_after)}
 
 
 def _full_answer(raw: bytes) -> dict[str, Any]:
     try:
         data = json.loads(raw)
         choices = data["choices"]
-        tokens = int(data["usage"]["completion_tokens"])
+        usage = data["usage"]
+        tokens = int(usage["completion_tokens"])
+        choice = choices[0] if choices else {}
+        text = choice["message"]["content"] if "message" in choice else choice.get("text")
     except (ValueError, KeyError, TypeError) as exc:
         return {"result": BAD_RESPONSE, "detail": f"{exc!r}: {raw[:200]!r}"}
     if not choices:
         return {"result": BAD_RESPONSE, "detail": f"no choices: {raw[:200]!r}"}
-    return {"result": OK, "tokens": tokens}
+    answer = Answer(text=text or "", finish_reason=choice.get("finish_reason"),
+                    usage=(int(usage["prompt_tokens"]), tokens))  # fmt: skip
+    return {"result": OK, "tokens": tokens, "answer": answer}
 
 
-def _has_text(event: Any) -> bool:
-    """A chunk that carries generated text (not a chat stream's opening role chunk, not a usage chunk)."""
-    choices = event.get("choices") if isinstance(event, dict) else None
-    if not choices or not isinstance(choices[0], dict):
-        return False
-    choice = choices[0]
-    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+class _StreamReader:
+    """Reads an SSE answer line by line: its text, finish reason and usage, and whether it is one answer."""
 
+    def __init__(self) -> None:
+        self.tokens = 0
+        """Chunks with generated text (not a chat stream's opening role chunk, not a usage chunk)."""
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: tuple[int, int] | None = None
+        self.dones = 0
+        self.after_done = 0
+        self.errors: list[Any] = []
+        self.identities: set[tuple[Any, Any, Any]] = set()
+        """(id, created, model) of the chunks: one answer has one."""
 
-async def _stream_answer(response: httpx.Response, disconnect_after: int | None) -> dict[str, Any]:
-    tokens, done, error = 0, False, None
-    async for line in response.aiter_lines():
+    def feed(self, line: str) -> str | None:
+        """Take one line; returns why the stream is not SSE JSON, if it is not."""
         if not line.startswith("data:"):
-            continue
+            return None
         payload = line[5:].strip()
         if payload == "[DONE]":
-            done = True
-            continue
+            self.dones += 1
+            return None
+        if self.dones:
+            self.after_done += 1
         try:
             event = json.loads(payload)
         except ValueError:
-            return {"result": BAD_RESPONSE, "tokens": tokens, "detail": f"not JSON: {payload[:200]}"}
-        if isinstance(event, dict) and "error" in event:
-            error = event["error"]
-            continue
-        if _has_text(event):
-            tokens += 1
-        if disconnect_after is not None and tokens >= disconnect_after:
-            return {"result": DISCONNECTED, "tokens": tokens, "left_at": time.monotonic(), "detail": "left mid-stream"}
-    if error is not None:
-        return {"result": SSE_ERROR, "tokens": tokens, "detail": json.dumps(error)[:300]}
-    if not done:
-        return {"result": TRANSPORT_ERROR, "tokens": tokens, "detail": "stream ended without [DONE]"}
-    if tokens == 0:
-        return {"result": BAD_RESPONSE, "detail": "stream without a content chunk"}
-    return {"result": OK, "tokens": tokens}
+            return f"not JSON: {payload[:200]}"
+        if not isinstance(event, dict):
+            return f"not an object: {payload[:200]}"
+        if "error" in event:
+            self.errors.append(event["error"])
+            return None
+        self.identities.add((event.get("id"), event.get("created"), event.get("model")))
+        usage = event.get("usage")
+        if isinstance(usage, dict) and "completion_tokens" in usage:
+            self.usage = (int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
+        for choice in event.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+            if piece:
+                self.tokens += 1
+                self.text.append(piece)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return None
+
+    def fields(self) -> dict[str, Any]:
+        answer = Answer(text="".join(self.text), finish_reason=self.finish_reason, usage=self.usage)
+        fields = {"tokens": self.tokens, "answer": answer, "dones": self.dones, "error_events": len(self.errors)}
+        if self.errors:
+            return {**fields, "result": SSE_ERROR, "detail": json.dumps(self.errors)[:300]}
+        if not self.dones:
+            return {**fields, "result": TRANSPORT_ERROR, "detail": "stream ended without [DONE]"}
+        if self.dones > 1 or self.after_done:
+            return {**fields, "result": BAD_RESPONSE, "detail": f"{self.dones} [DONE], {self.after_done} events after"}
+        if len(self.identities) > 1:
+            return {**fields, "result": BAD_RESPONSE, "detail": f"chunks of several answers: {self.identities}"}
+        if self.tokens == 0:
+            return {**fields, "result": BAD_RESPONSE, "detail": "stream without a content chunk"}
+        return {**fields, "result": OK}
+
+
+async def _stream_answer(response: httpx.Response, disconnect_after: int | None) -> dict[str, Any]:
+    reader = _StreamReader()
+    async for line in response.aiter_lines():
+        bad = reader.feed(line)
+        if bad is not None:
+            return {"result": BAD_RESPONSE, "tokens": reader.tokens, "detail": bad}
+        if disconnect_after is not None and reader.tokens >= disconnect_after:
+            return {"result": DISCONNECTED, "tokens": reader.tokens, "left_at": time.monotonic(),
+                    "detail": "left mid-stream"}  # fmt: skip
+    return reader.fields()
+
+
+def expected_answers(requests: Iterable[tuple[str, Outcome]], timeout: float = 60.0) -> dict[str, Answer]:
+    """What one healthy node answers to each request: ``(node URL, outcome)`` pairs, the outcome's body sent
+    straight to the node (all at once). Keyed by the outcome's request id; fails if a node does not answer."""
+    pairs = list(requests)
+
+    async def ask_all() -> list[dict[str, Any]]:
+        limits = httpx.Limits(max_connections=len(pairs) + 1)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            return await asyncio.gather(*(_exchange(client, url + o.path, o.body, f"oracle-{o.request_id}", None)
+                                          for url, o in pairs))  # fmt: skip
+
+    answers: dict[str, Answer] = {}
+    for (url, outcome), fields in zip(pairs, asyncio.run(ask_all()), strict=True):
+        if fields["result"] != OK:
+            raise AssertionError(f"{url} did not answer {outcome.request_id}'s body: {fields}")
+        answers[outcome.request_id] = fields["answer"]
+    return answers
