@@ -191,6 +191,8 @@ class Relay:
             body = continuation_body(plan.path, plan.body, done)
             if body is None:  # the answer was complete but for its end
                 self._metrics.resume("completed")
+                log.warning("stream ended for it request_id=%s node=%s after its last token: %s", request_id,
+                            failed_node, failure.message)  # fmt: skip
                 await send({"type": "http.response.body", "body": DONE, "more_body": True})
                 break
             resumes += 1
@@ -200,7 +202,7 @@ class Relay:
                 answer, failure = None, exc
             if not isinstance(answer, Upstream) or answer.status != 200:
                 if isinstance(answer, Upstream):
-                    answer.close("ok")
+                    answer.close("refused")  # an answer, not a failure of the node, and not a success either
                     failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
                 elif isinstance(answer, ErrorAnswer):
                     failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
