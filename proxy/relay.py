@@ -191,8 +191,9 @@ class Relay:
             body = continuation_body(plan.path, plan.body, done)
             if body is None:  # the answer was complete but for its end
                 self._metrics.resume("completed")
-                log.warning("stream ended for it request_id=%s node=%s after its last token: %s", request_id,
-                            failed_node, failure.message)  # fmt: skip
+                log.warning("stream's node failed after its last token request_id=%s node=%s error=%s; ended by "
+                            "the proxy (without the node's usage chunk)", request_id, failed_node,
+                            failure.message)  # fmt: skip
                 await send({"type": "http.response.body", "body": DONE, "more_body": True})
                 break
             resumes += 1
