@@ -128,7 +128,7 @@ def render(report: Mapping[str, Any]) -> str:
         f"{c['max_tokens']} tokens per answer) direct vs through one vllm-proxy replica; code {report['code']}",
         f"workload: {c['sessions']} sessions x {c['turns']} turns, {c['concurrency']} at a time; system preamble "
         f"{c['system_words']} words (shared), first message {c['first_words']}, later ones {c['followup_words']}; "
-        f"{c['rounds']} round(s), direct and proxy alternating (ABBA)",
+        f"sessions start over {c['ramp']:g} s; {c['rounds']} round(s), direct and proxy alternating (ABBA)",
         "direct: each session pinned to node (session id % nodes); proxy: every request through the replica "
         "(its default policy)",
         f"placement: {pin['text']}",

@@ -51,6 +51,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--first-words", type=int, default=50, help="words of each session's first message (default 50)")
     add("--followup-words", type=int, default=15, help="words of each later user message (default 15)")
     add("--think", type=float, default=0.0, help="seconds between an answer and the next turn (default 0)")
+    add("--ramp", type=float, help="seconds over which the first sessions start (default: one turn's duration, "
+        "ttft + max_tokens x itl, so that requests do not go out in bursts)")  # fmt: skip
     add("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
     add("--quick", action="store_true", help="a small run for a smoke test (" +
         ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")  # fmt: skip
@@ -60,6 +62,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+    if args.ramp is None:
+        args.ramp = args.ttft + args.max_tokens * args.itl
     if min(args.sessions, args.turns, args.concurrency, args.rounds, args.nodes, args.max_tokens) < 1:
         p.error("--sessions, --turns, --concurrency, --rounds, --nodes and --max-tokens must be >= 1")
     return args
@@ -96,7 +100,7 @@ def workload(args: argparse.Namespace, **changes: Any) -> Workload:
     fields = {
         "sessions": args.sessions, "concurrency": args.concurrency, "turns": args.turns, "model": MODEL,
         "max_tokens": args.max_tokens, "system_words": args.system_words, "first_words": args.first_words,
-        "followup_words": args.followup_words, "think": args.think, "timeout": 30.0,
+        "followup_words": args.followup_words, "think": args.think, "ramp": args.ramp, "timeout": 30.0,
     }  # fmt: skip
     return Workload(**(fields | changes))
 
@@ -108,7 +112,7 @@ async def measure(args: argparse.Namespace, nodes: Sequence[Server], proxy: Serv
     for round_no in range(args.rounds):
         for side in ("direct", "proxy") if round_no % 2 == 0 else ("proxy", "direct"):
             # Not counted: opens the proxy's connections to the nodes (the nodes close idle ones after 5 s).
-            warm = workload(args, sessions=args.concurrency, turns=2,
+            warm = workload(args, sessions=args.concurrency, turns=2, ramp=0.0,
                             first_session=WARMUP_FIRST_SESSION + len(phases) * args.concurrency)  # fmt: skip
             await run_sessions(warm, targets[side], lag_interval=0)
             cpu0 = {s.name: s.cpu() for s in (*nodes, proxy)}

@@ -105,6 +105,10 @@ class Workload:
     """Words of each later user message."""
     think: float = 0.0
     """Seconds a session waits between an answer and its next turn."""
+    ramp: float = 0.0
+    """Seconds over which the first ``concurrency`` sessions start, evenly spaced. With 0 they all send at the
+    same instant, and, as every turn of the simulator lasts as long, they stay in step: each turn is then a
+    burst of ``concurrency`` requests queued in the generator's loop. One turn's duration spreads them out."""
     timeout: float = 60.0
     """Seconds for connecting and between two reads of one request; beyond that the request fails."""
     seed: int = 0
@@ -290,7 +294,9 @@ async def run_sessions(workload: Workload, target: Target, lag_interval: float =
     ssl_context = ssl.create_default_context()
     pending: Iterator[int] = iter(range(workload.first_session, workload.first_session + workload.sessions))
 
-    async def worker() -> None:
+    async def worker(index: int) -> None:
+        if index and workload.ramp:
+            await asyncio.sleep(index * workload.ramp / workload.concurrency)
         for session in pending:  # shared: each worker takes the next session not yet started
             await _session(session, workload, target, ssl_context, run)
 
@@ -298,7 +304,7 @@ async def run_sessions(workload: Workload, target: Target, lag_interval: float =
     cpu0 = own_cpu_seconds()
     run.started = time.perf_counter()
     try:
-        await asyncio.gather(*(worker() for _ in range(min(workload.concurrency, workload.sessions))))
+        await asyncio.gather(*(worker(i) for i in range(min(workload.concurrency, workload.sessions))))
     finally:
         run.ended = time.perf_counter()
         run.generator_cpu = own_cpu_seconds() - cpu0
