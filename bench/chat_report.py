@@ -13,6 +13,8 @@ from typing import Any
 from bench.sessions import Run
 
 SIDES = ("direct", "proxy")
+DISTURBED_CORES = 0.3
+"""Other processes' CPU during a phase, in cores, beyond which its figures are marked as disturbed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +85,11 @@ def _side(phases: Sequence[Phase]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _others_cores(phase: Phase) -> float:
+    ours = phase.run.generator_cpu + phase.node_cpu + phase.proxy_cpu
+    return max(0.0, phase.machine_busy - ours) / phase.run.wall
+
+
 def _added(phases: Sequence[Phase]) -> dict[str, Any]:
     """TTFT proxy - direct per round (each round is one direct and one proxy phase, in either order), and the
     median over rounds: a pair sees the same machine load on both sides, so drift cancels within it."""
@@ -97,7 +104,11 @@ def _added(phases: Sequence[Phase]) -> dict[str, Any]:
             d, p = ttft["direct"][key], ttft["proxy"][key]
             diff[key] = p - d if d is not None and p is not None else None
         first = next(p.side for p in phases if p.round == round_no)
-        pairs.append({"round": round_no + 1, "first": first, **diff})
+        others = {side: _others_cores(by_side[side]) for side in SIDES}
+        pairs.append({
+            "round": round_no + 1, "first": first, **diff, "others_cores": others,
+            "disturbed": max(others.values()) > DISTURBED_CORES,
+        })  # fmt: skip
     median: dict[str, float | None] = {}
     for key in ("p50", "p99"):
         values: list[float] = [pair[key] for pair in pairs if pair[key] is not None]
@@ -153,10 +164,13 @@ def render(report: Mapping[str, Any]) -> str:
             f"{cores['proxy']:>7.2f}{cores['others']:>7.2f} |{_f(x['loop_lag_ms']['p99'], '.1f'):>12}"
         )
     added = s["added_ttft_ms"]
-    lines += ["", f"{'added TTFT (proxy - direct), ms':<36}{'p50':>8}{'p99':>8}"]
+    lines += ["", f"{'added TTFT (proxy - direct), ms':<36}{'p50':>8}{'p99':>8}   others' cores (direct, proxy)"]
     for pair in added["pairs"]:
         label = f"round {pair['round']} ({pair['first']} first)"
-        lines.append(f"{label:<36}{_f(pair['p50'], '+.2f'):>8}{_f(pair['p99'], '+.2f'):>8}")
+        others = pair["others_cores"]
+        mark = "  DISTURBED: rerun before comparing" if pair["disturbed"] else ""
+        lines.append(f"{label:<36}{_f(pair['p50'], '+.2f'):>8}{_f(pair['p99'], '+.2f'):>8}"
+                     f"   {others['direct']:.2f}, {others['proxy']:.2f}{mark}")  # fmt: skip
     med = added["median"]
     lines.append(f"{'median over rounds':<36}{_f(med['p50'], '+.2f'):>8}{_f(med['p99'], '+.2f'):>8}")
     pooled = added["pooled"]
