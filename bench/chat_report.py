@@ -96,9 +96,7 @@ def _added(phases: Sequence[Phase]) -> dict[str, Any]:
     pairs: list[dict[str, Any]] = []
     for round_no in sorted({p.round for p in phases}):
         by_side = {p.side: p for p in phases if p.round == round_no}
-        ttft = {
-            side: percentiles_ms([t.ttft for t in by_side[side].run.ok if t.ttft is not None]) for side in SIDES
-        }
+        ttft = {side: percentiles_ms([t.ttft for t in by_side[side].run.ok if t.ttft is not None]) for side in SIDES}
         diff: dict[str, float | None] = {}
         for key in ("p50", "p99"):
             d, p = ttft["direct"][key], ttft["proxy"][key]

@@ -327,4 +327,3 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 def run_sync(workload: Workload, target: Target) -> Run:
     """``run_sessions`` in a fresh event loop, for callers that are not async."""
     return run_loop(run_sessions(workload, target))
-
