@@ -57,6 +57,14 @@ def own_cpu_seconds() -> float:
     return time.process_time()
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Restrict every thread of a live process to ``cpus``: sched_setaffinity on a pid moves only that one
+    thread, and threads started afterwards inherit the affinity of the thread that starts them."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 class Server:
     """``python -m MODULE ARGS`` listening on 127.0.0.1:``port``; output goes to a log file."""
 
@@ -81,6 +89,10 @@ class Server:
 
     def cpu(self) -> float:
         return cpu_seconds(self.pid)
+
+    def pin(self, cpus: set[int]) -> None:
+        """Run this server (all of its threads) only on ``cpus``."""
+        pin(self.pid, cpus)
 
     def wait_ready(self, path: str, timeout: float) -> None:
         """Until GET ``path`` answers 200; raises with the log's tail if the process exits or time runs out."""
