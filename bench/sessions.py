@@ -3,7 +3,9 @@
 ``sessions`` sessions, ``concurrency`` of them running at once, each of ``turns`` turns. Every turn sends
 ``/v1/chat/completions`` with ``stream: true`` and usage, carrying the whole conversation so far: the shared
 system preamble (the same text in every session, as an application's prompt is), the session's own first user
-message, then for each earlier turn the assistant's answer as received and a new user message. A ``Target``
+message, then for each earlier turn the assistant's answer as received and a new user message. With
+``api="completions"`` the same conversation is one text prompt sent to ``/v1/completions``: the preamble, then
+``"\nUser: <message>\nAssistant:"`` and the answer as received, turn after turn. A ``Target``
 decides where each request goes, ``(session, turn) -> Route``, so the same sessions can go straight to nodes
 (``pinned``, ``round_robin``) or through one or several proxy replicas (``round_robin`` over them).
 
@@ -38,6 +40,9 @@ from bench.procs import own_cpu_seconds
 
 T = TypeVar("T")
 PATH = "/v1/chat/completions"
+PATHS = {"chat": PATH, "completions": "/v1/completions"}
+"""The endpoint of each ``Workload.api``."""
+REQUEST_ID_HEADER = "X-Request-Id"
 NODE_HEADER = "x-sim-node"
 """The response header naming the vllm-sim node that answered; the proxy passes it through."""
 _WORDS = (
@@ -84,6 +89,33 @@ def with_session_header(target: Target, name: str = "X-Session-ID") -> Target:
     return route
 
 
+def request_id(tag: str, session: int, turn: int) -> str:
+    """The X-Request-Id ``with_request_ids`` sends: unique per (tag, session, turn), parsed by ``parse_request_id``."""
+    return f"{tag}-s{session}-t{turn}"
+
+
+def parse_request_id(text: str) -> tuple[str, int, int] | None:
+    """(tag, session, turn) of an id made by ``request_id``, else None. A node may see it with a suffix of its
+    own (a proxy's retry), which is ignored."""
+    tag, sep, rest = text.rpartition("-s")
+    session, sep2, turn = rest.partition("-t")
+    digits = "".join(itertools.takewhile(str.isdigit, turn))
+    if not (sep and sep2 and session.isdigit() and digits):
+        return None
+    return tag, int(session), int(digits)
+
+
+def with_request_ids(target: Target, tag: str) -> Target:
+    """``target`` plus an X-Request-Id unique to each turn, so that what a node records (GET /sim/requests) can
+    be traced back to its session; ``tag`` tells runs apart."""
+
+    def route(session: int, turn: int) -> Route:
+        base = target(session, turn)
+        return Route(url=base.url, headers={**base.headers, REQUEST_ID_HEADER: request_id(tag, session, turn)})
+
+    return route
+
+
 @dataclass(frozen=True, kw_only=True)
 class Workload:
     """The shape of one batch of sessions; the text is deterministic for a given ``seed``."""
@@ -105,6 +137,11 @@ class Workload:
     """Words of each later user message."""
     think: float = 0.0
     """Seconds a session waits between an answer and its next turn."""
+    think_jitter: float = 0.0
+    """Seconds added to each wait, uniform in [0, think_jitter), drawn per (session, turn) from ``seed``. With a
+    fixed wait, sessions that start together keep running in step, which a router can mistake for affinity."""
+    api: str = "chat"
+    """chat (messages to /v1/chat/completions) or completions (one text prompt to /v1/completions)."""
     ramp: float = 0.0
     """Seconds over which the first ``concurrency`` sessions start, evenly spaced. With 0 they all send at the
     same instant, and, as every turn of the simulator lasts as long, they stay in step: each turn is then a
@@ -203,13 +240,52 @@ def user_message(workload: Workload, session: int, turn: int) -> str:
     return f"session {tag}: {text}"
 
 
-async def _stream(client: httpx.AsyncClient, route: Route, body: bytes, record: Turn) -> str:
+def think_time(workload: Workload, session: int, turn: int) -> float:
+    """Seconds session ``session`` waits before sending turn ``turn``."""
+    jitter = workload.think_jitter * random.Random(f"think:{workload.seed}:{session}:{turn}").random()
+    return workload.think + jitter
+
+
+class _Conversation:
+    """A session's prompt so far, as chat messages or as one completion text."""
+
+    def __init__(self, workload: Workload, session: int) -> None:
+        if workload.api not in PATHS:
+            raise ValueError(f"api must be one of {', '.join(PATHS)}, not {workload.api!r}")
+        self._workload = workload
+        self._session = session
+        self.messages: list[dict[str, str]] = []
+        self.text = system_preamble(workload) if workload.system_words else ""
+        if workload.system_words:
+            self.messages.append({"role": "system", "content": self.text})
+        self._ask(0)
+
+    def _ask(self, turn: int) -> None:
+        message = user_message(self._workload, self._session, turn)
+        self.messages.append({"role": "user", "content": message})
+        self.text += f"\nUser: {message}\nAssistant:"
+
+    def body(self) -> bytes:
+        w = self._workload
+        prompt: dict[str, Any] = {"messages": self.messages} if w.api == "chat" else {"prompt": self.text}
+        return orjson.dumps({
+            "model": w.model, **prompt, "max_tokens": w.max_tokens,
+            "stream": True, "stream_options": {"include_usage": True},
+        })  # fmt: skip
+
+    def answered(self, answer: str, next_turn: int) -> None:
+        self.messages.append({"role": "assistant", "content": answer})
+        self.text += answer  # streamed text starts with its space, as vLLM's does
+        self._ask(next_turn)
+
+
+async def _stream(client: httpx.AsyncClient, route: Route, path: str, body: bytes, record: Turn) -> str:
     """Sends one turn and reads its SSE answer into ``record``; returns the answer's text."""
     headers = {"content-type": "application/json", **route.headers}
     parts: list[str] = []
     done = False
     buffer = b""
-    async with client.stream("POST", route.url + PATH, content=body, headers=headers) as response:
+    async with client.stream("POST", route.url + path, content=body, headers=headers) as response:
         record.status = response.status_code
         record.node = response.headers.get(NODE_HEADER)
         if response.status_code != 200:
@@ -232,7 +308,8 @@ async def _stream(client: httpx.AsyncClient, route: Route, body: bytes, record: 
                 if "error" in obj:
                     raise BadAnswer(f"error event: {str(obj['error'])[:160]}")
                 for choice in obj.get("choices") or ():
-                    content = (choice.get("delta") or {}).get("content")
+                    # A chat chunk's delta, or a completion chunk's text.
+                    content = (choice.get("delta") or {}).get("content") or choice.get("text")
                     if content:
                         if not parts:
                             record.ttft = now - record.sent
@@ -255,29 +332,23 @@ async def _stream(client: httpx.AsyncClient, route: Route, body: bytes, record: 
 async def _session(
     session: int, workload: Workload, target: Target, ssl_context: ssl.SSLContext, run: Run
 ) -> None:  # fmt: skip
-    messages: list[dict[str, str]] = []
-    if workload.system_words:
-        messages.append({"role": "system", "content": system_preamble(workload)})
-    messages.append({"role": "user", "content": user_message(workload, session, 0)})
+    conversation = _Conversation(workload, session)
+    path = PATHS[workload.api]
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=300)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(workload.timeout), verify=ssl_context) as client:
         for turn in range(workload.turns):
-            if turn and workload.think:
-                await asyncio.sleep(workload.think)
+            if turn and (workload.think or workload.think_jitter):
+                await asyncio.sleep(think_time(workload, session, turn))
             route = target(session, turn)
-            body = orjson.dumps({
-                "model": workload.model, "messages": messages, "max_tokens": workload.max_tokens,
-                "stream": True, "stream_options": {"include_usage": True},
-            })  # fmt: skip
+            body = conversation.body()
             record = Turn(session=session, turn=turn, url=route.url, sent=time.perf_counter())
             run.turns.append(record)
             try:
-                answer = await _stream(client, route, body, record)
+                answer = await _stream(client, route, path, body, record)
             except Exception as exc:  # noqa: BLE001 - whatever went wrong, this turn failed; record why
                 record.error = f"{type(exc).__name__}: {exc}"[:200]
                 return  # the conversation cannot go on without the answer
-            messages.append({"role": "assistant", "content": answer})
-            messages.append({"role": "user", "content": user_message(workload, session, turn + 1)})
+            conversation.answered(answer, turn + 1)
 
 
 async def _probe_lag(samples: list[float], interval: float) -> None:
