@@ -15,6 +15,8 @@ is stopped at the end, also on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -28,10 +30,21 @@ from typing import Any
 
 from bench.chat_sessions import placement
 from bench.proxy_overhead import code_version
-from bench.routing_fleet import DEFAULT_VLLM_ROUTER, Frontend, NodeSpec, NodeTimings, Stack
+from bench.routing_fleet import DEFAULT_VLLM_ROUTER, Frontend, LoadSample, NodeSpec, NodeTimings, Stack, sample_load
 from bench.routing_plan import SESSION_HEADER, Router, Scenario, cache_blocks, routers_in, scenarios
 from bench.routing_report import Outcome, judge, render, summarise
-from bench.sessions import Route, Target, Workload, pinned, round_robin, run_sync, with_request_ids, with_session_header
+from bench.sessions import (
+    Route,
+    Run,
+    Target,
+    Workload,
+    pinned,
+    round_robin,
+    run_loop,
+    run_sessions,
+    with_request_ids,
+    with_session_header,
+)  # fmt: skip
 
 QUICK = {"sessions": 16, "turns": 3, "concurrency": 8}
 SCENARIOS = "chat-short,chat-long,completions,slow-node,pd"
@@ -46,7 +59,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--scenarios", help=f"comma-separated, in this order (default {SCENARIOS}; with --quick {QUICK_SCENARIOS})")
-    add("--routers", default="all", help="only these rows, by name as printed with R=, comma-separated")
+    add("--router", action="append", default=[], metavar="NAME", help="only the rows whose name (as printed, "
+        "with R=) starts with this; repeatable")  # fmt: skip
     add("--sessions", type=int, default=64, help="sessions per run (default 64)")
     add("--turns", type=int, default=6, help="turns per session (default 6)")
     add("--concurrency", type=int, default=16, help="sessions running at once (default 16)")
@@ -101,8 +115,11 @@ def plan(args: argparse.Namespace) -> list[Scenario]:
     for s in list(chosen):
         if s.baseline and s.baseline not in names:  # run the healthy baseline too, for the same routers only
             chosen.insert(chosen.index(s), Scenario(**{**vars(every[s.baseline]), "routers": s.routers}))
-    if args.routers != "all":
-        wanted = {r.name for r in routers_in(args.routers, tuple({r for s in chosen for r in s.routers}))}
+    if args.router:
+        try:
+            wanted = {r.name for r in routers_in(args.router, tuple({r for s in chosen for r in s.routers}))}
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         chosen = [Scenario(**{**vars(s), "routers": tuple(r for r in s.routers if r.name in wanted)}) for s in chosen]
     if not args.vllm_router.exists():
         print(f"vllm-router not found at {args.vllm_router}: its rows are skipped", file=sys.stderr)
@@ -156,6 +173,18 @@ def target_for(router: Router, stack: Stack) -> Target:
     return with_session_header(target, SESSION_HEADER) if router.header else target
 
 
+async def sampled(workload: Workload, target: Target, nodes: Sequence[tuple[str, str]]) -> tuple[Run, list[LoadSample]]:
+    """The sessions, with the nodes' load sampled meanwhile."""
+    samples: list[LoadSample] = []
+    sampler = asyncio.create_task(sample_load(nodes, samples))
+    try:
+        return await run_sessions(workload, target), samples
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
+
+
 def measure(args: argparse.Namespace, scenario: Scenario, router: Router, tag: str, where: dict[str, Any],
             pids: dict[str, int]) -> Outcome:  # fmt: skip
     specs = node_specs(args, scenario)
@@ -168,12 +197,14 @@ def measure(args: argparse.Namespace, scenario: Scenario, router: Router, tag: s
                proxy_cpus=proxy_cpus, vllm_router=args.vllm_router, logs=logs) as stack:  # fmt: skip
         pids.update({f"{tag}/{name}": pid for name, pid in stack.pids.items()})
         cpu0 = stack.cpu()
-        run = run_sync(workload(args, scenario), with_request_ids(target_for(router, stack), tag))
+        target = with_request_ids(target_for(router, stack), tag)
+        run, samples = run_loop(sampled(workload(args, scenario), target, stack.named_nodes))
         cpu1 = stack.cpu()
         nodes = stack.node_reports()
     slow = specs[-1].name if scenario.slow_factor != 1.0 else None
     return Outcome(scenario=scenario.name, router=router.label, kind=router.kind, replicas=router.replicas, tag=tag,
-                   run=run, nodes=nodes, cpu={k: cpu1[k] - cpu0[k] for k in cpu0}, slow_node=slow)  # fmt: skip
+                   run=run, nodes=nodes, cpu={k: cpu1[k] - cpu0[k] for k in cpu0}, load=samples,
+                   slow_node=slow)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

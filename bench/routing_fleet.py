@@ -7,6 +7,7 @@ here is stopped when the ``Stack`` is left, also on an exception.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 
 from bench.procs import HOST, Fleet, Server, die_with_parent, free_port
+from proxy.loadwatch import read_node_load
 
 MODEL = "sim-model"
 DEFAULT_VLLM_ROUTER = Path.home() / ".cache/vllm-proxy-bench/venv/bin/vllm-router"
@@ -58,6 +60,34 @@ class Frontend:
     replicas: int = 1
     extra: tuple[str, ...] = ()
     """More flags for each replica (e.g. --pd-min-prompt-tokens 256)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSample:
+    """A node's own load as its /metrics showed it: what the proxies' --scrape-load reads too."""
+
+    at: float
+    """time.perf_counter() when the answer came."""
+    node: str
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+async def sample_load(nodes: Sequence[tuple[str, str]], into: list[LoadSample], interval: float = 0.1) -> None:
+    """Every ``interval`` s, each (name, url) node's running, waiting and KV-cache usage, until cancelled."""
+    async with httpx.AsyncClient(timeout=2.0) as client:
+
+        async def one(name: str, url: str) -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                found = read_node_load((await client.get(url + "/metrics")).content)
+                if found is not None:
+                    into.append(LoadSample(at=time.perf_counter(), node=name, running=found[0], waiting=found[1],
+                                           kv_usage=found[2]))  # fmt: skip
+
+        while True:
+            await asyncio.gather(*(one(name, url) for name, url in nodes))
+            await asyncio.sleep(interval)
 
 
 class Command(Server):
@@ -157,15 +187,14 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
         self.pids = {s.name: s.pid for s in self._fleet.servers}
 
     @property
+    def named_nodes(self) -> list[tuple[str, str]]:
+        """(name, url) of every node."""
+        return [(spec.name, node.url) for spec, node in zip(self.specs, self.nodes, strict=True)]
+
+    @property
     def urls(self) -> list[str]:
         """Where clients send: the frontend replicas, or the nodes for direct routing."""
         return [s.url for s in (self.frontends or self.nodes)]
-
-    def slow_down(self, name: str, timings: NodeTimings) -> None:
-        """Change one node's timings now (POST /sim/config)."""
-        node = self.nodes[[s.name for s in self.specs].index(name)]
-        knobs = {"ttft": timings.ttft, "itl": timings.itl, "prefill_per_token": timings.prefill_per_token}
-        httpx.post(node.url + "/sim/config", json=knobs, timeout=5.0).raise_for_status()
 
     def node_reports(self) -> list[NodeReport]:
         reports = []

@@ -71,16 +71,14 @@ class Scenario:
     """The all-healthy scenario with the same workload, to compare TTFT p99 with."""
 
 
-def routers_in(names: str, every: tuple[Router, ...]) -> tuple[Router, ...]:
-    """The routers of ``every`` whose name is listed (comma-separated; "all" for every one)."""
-    if names == "all":
+def routers_in(prefixes: list[str], every: tuple[Router, ...]) -> tuple[Router, ...]:
+    """The routers of ``every`` whose name starts with one of ``prefixes`` (all of them for an empty list)."""
+    if not prefixes:
         return every
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    known = {r.name: r for r in every}
-    missing = [n for n in wanted if n not in known]
-    if missing:
-        raise ValueError(f"unknown router(s) {missing}; known: {list(known)}")
-    return tuple(known[n] for n in wanted)
+    unknown = [p for p in prefixes if not any(r.name.startswith(p) for r in every)]
+    if unknown:
+        raise ValueError(f"no router named {unknown}; known: {sorted(r.name for r in every)}")
+    return tuple(r for r in every if any(r.name.startswith(p) for p in prefixes))
 
 
 def scenarios(

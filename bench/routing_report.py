@@ -6,16 +6,20 @@ Times are milliseconds in the summaries, seconds in ``Outcome``.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from bench.chat_report import percentiles_ms
-from bench.routing_fleet import NodeReport
+from bench.routing_fleet import LoadSample, NodeReport
 from bench.sessions import Run, parse_request_id
 
 THIRDS = 3
+KV_FULL = 0.95
+OVERLOAD = (1.5, 2)
+"""cache-aware's escape (proxy/balancer.py): a node's load above 1.5 x the mean + 2, or its KV cache >= 95%."""
 TARGETS = {"hit_rate_vs_oracle": 0.97, "max_mean": 1.10, "ttft_p50_vs_oracle": 1.10, "slow_ttft_p99_vs_healthy": 1.5}
 
 
@@ -35,6 +39,8 @@ class Outcome:
     nodes: Sequence[NodeReport]
     cpu: Mapping[str, float]
     """CPU seconds of the nodes and of the frontend replicas during the run."""
+    load: Sequence[LoadSample] = ()
+    """The nodes' own load during the run, sampled by the load generator."""
     slow_node: str | None = None
 
 
@@ -55,15 +61,77 @@ def _hit_rate(nodes: Sequence[NodeReport]) -> float | None:
     return sum(n.hits for n in nodes) / queries if queries else None
 
 
-def _new_session_shares(run: Run, names: Sequence[str]) -> list[dict[str, float]]:
-    """Per third of the run (by when a session sent its first turn): each node's share of the sessions that
-    started then, by the node that answered that first turn."""
-    counts: list[Counter[str]] = [Counter() for _ in range(THIRDS)]
-    for t in run.turns:
-        if t.turn == 0 and t.ok:
-            third = min(THIRDS - 1, int(THIRDS * (t.sent - run.started) / run.wall))
-            counts[third][t.node or "?"] += 1
-    return [{n: c[n] / max(1, sum(c.values())) for n in names} for c in counts]
+def _new_session_shares(run: Run, names: Sequence[str]) -> list[dict[str, Any]]:
+    """The sessions in thirds by when they started (first, middle, last third of them): for each third, when its
+    sessions started (s into the run) and each node's share of them, by the node that answered turn 0."""
+    firsts = sorted((t for t in run.turns if t.turn == 0 and t.ok), key=lambda t: t.sent)
+    thirds = []
+    for i in range(THIRDS):
+        part = firsts[len(firsts) * i // THIRDS : len(firsts) * (i + 1) // THIRDS]
+        counts = Counter(t.node or "?" for t in part)
+        thirds.append({
+            "from_s": part[0].sent - run.started if part else None,
+            "to_s": part[-1].sent - run.started if part else None,
+            "shares": {n: counts[n] / max(1, len(part)) for n in names},
+        })  # fmt: skip
+    return thirds
+
+
+class _LoadAt:
+    """The latest sample of each node at a given time."""
+
+    def __init__(self, samples: Sequence[LoadSample]) -> None:
+        self._by_node: dict[str, list[LoadSample]] = defaultdict(list)
+        for sample in sorted(samples, key=lambda x: x.at):
+            self._by_node[sample.node].append(sample)
+        self._times = {n: [x.at for x in xs] for n, xs in self._by_node.items()}
+
+    def at(self, when: float) -> dict[str, LoadSample]:
+        found = {}
+        for node, times in self._times.items():
+            i = bisect.bisect_right(times, when)
+            if i:
+                found[node] = self._by_node[node][i - 1]
+        return found
+
+
+def _moves(outcome: Outcome, turns: Mapping[int, Mapping[int, Any]]) -> dict[str, int]:
+    """Turns answered by another node than the turn before, by why they likely moved: the earlier node's KV cache
+    was nearly full, or its load beyond cache-aware's escape, when the turn was sent (as sampled); else back to
+    a node of an earlier turn (the way home after an escape); else none of these (the key changed, or the
+    replicas judged the nodes differently)."""
+    load = _LoadAt(outcome.load)
+    moves: Counter[str] = Counter({"kv_full": 0, "overloaded": 0, "back": 0, "other": 0})
+    for by_turn in turns.values():
+        for i, t in sorted(by_turn.items()):
+            before = by_turn.get(i - 1)
+            if before is None or before.node == t.node:
+                continue
+            seen = load.at(t.sent)
+            was = seen.get(before.node)
+            mean = sum(x.running + x.waiting for x in seen.values()) / len(seen) if seen else 0.0
+            if was is not None and was.kv_usage >= KV_FULL:
+                moves["kv_full"] += 1
+            elif was is not None and was.running + was.waiting > OVERLOAD[0] * mean + OVERLOAD[1]:
+                moves["overloaded"] += 1
+            elif any(by_turn[j].node == t.node for j in by_turn if j < i - 1):
+                moves["back"] += 1
+            else:
+                moves["other"] += 1
+    return dict(moves)
+
+
+def _load_by_node(samples: Sequence[LoadSample], names: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    out: dict[str, dict[str, float | None]] = {}
+    for name in names:
+        mine = [x for x in samples if x.node == name]
+        out[name] = {
+            "mean_load": sum(x.running + x.waiting for x in mine) / len(mine) if mine else None,
+            "max_load": max((x.running + x.waiting for x in mine), default=None),
+            "max_kv_usage": max((x.kv_usage for x in mine), default=None),
+            "kv_full_share": sum(x.kv_usage >= KV_FULL for x in mine) / len(mine) if mine else None,
+        }  # fmt: skip
+    return out
 
 
 def _prefill_legs(outcome: Outcome) -> dict[str, Any]:
@@ -96,10 +164,11 @@ def summarise(outcome: Outcome) -> dict[str, Any]:
     by_node = Counter(t.node or "?" for t in ok)
     requests = {n: by_node.get(n, 0) for n in names} | ({"?": by_node["?"]} if by_node.get("?") else {})
     mean = len(ok) / len(names) if names else 0.0
-    by_session: dict[int, dict[int, str | None]] = defaultdict(dict)
+    by_session: dict[int, dict[int, Any]] = defaultdict(dict)
     for t in ok:
-        by_session[t.session][t.turn] = t.node
-    pairs = [(turns[i - 1], turns[i]) for turns in by_session.values() for i in turns if i and i - 1 in turns]
+        by_session[t.session][t.turn] = t
+    pairs = [(turns[i - 1].node, turns[i].node) for turns in by_session.values() for i in turns
+             if i and i - 1 in turns]  # fmt: skip
     sessions = Counter(t.node or "?" for t in ok if t.turn == 0)
     summary: dict[str, Any] = {
         "scenario": outcome.scenario, "router": outcome.router, "kind": outcome.kind, "replicas": outcome.replicas,
@@ -113,6 +182,8 @@ def summarise(outcome: Outcome) -> dict[str, Any]:
         "same_node_share": sum(a == b for a, b in pairs) / len(pairs) if pairs else None,
         "sessions_by_node": {n: sessions.get(n, 0) for n in names},
         "new_sessions_by_third": _new_session_shares(run, names),
+        "moved_turns": _moves(outcome, by_session),
+        "load_by_node": _load_by_node(outcome.load, [n.name for n in outcome.nodes]),
         "ttft_ms": percentiles_ms([t.ttft for t in ok if t.ttft is not None], (50, 90, 99)),
         "wall_s": run.wall, "cpu_s": dict(outcome.cpu), "generator_cpu_s": run.generator_cpu,
         "slow_node": outcome.slow_node,
@@ -168,7 +239,8 @@ def render_scenario(scenario: Mapping[str, Any]) -> str:
     rows, verdicts = scenario["rows"], scenario["targets"]
     lines = [f"## {scenario['name']}: {scenario['description']}", ""]
     head = "| router | R | hit rate | max/mean requests per node | share of turns on the previous turn's node | " \
-           "TTFT p50 / p99 ms | failed | sessions per node |"  # fmt: skip
+           "TTFT p50 / p99 ms | failed | sessions per node | moved turns: KV full / overloaded / back / other " \
+           "|"  # fmt: skip
     if any("pd" in r for r in rows):
         head = "| router | R | hit rate prefill / decode | sessions whose prefill legs all went to one node | " \
                "turns with no prefill leg | TTFT p50 / p99 ms | failed | requests per decode node |"  # fmt: skip
@@ -186,16 +258,22 @@ def render_scenario(scenario: Mapping[str, Any]) -> str:
                          f"{r['failed']} | {spread} |")  # fmt: skip
             continue
         spread = " ".join(str(v) for v in r["sessions_by_node"].values())
+        moved = " / ".join(str(v) for v in r["moved_turns"].values())
         lines.append(f"| {r['router']} | {replicas} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_mean'], '.2f')} | "
-                     f"{_f(r['same_node_share'], '.2f')} | {ttft} | {r['failed']} | {spread} |")  # fmt: skip
+                     f"{_f(r['same_node_share'], '.2f')} | {ttft} | {r['failed']} | {spread} | {moved} |")  # fmt: skip
     slow = [r for r in rows if r.get("slow_node")]
     if slow:
-        lines += ["", f"new sessions per node by third of the run (slow node: {slow[0]['slow_node']}; "
-                  f"nodes {', '.join(slow[0]['sessions_by_node'])}):"]  # fmt: skip
+        lines += ["", f"share of new sessions per node ({', '.join(slow[0]['sessions_by_node'])}; slow: "
+                  f"{slow[0]['slow_node']}) in the first, middle and last third of the sessions to start; then the "
+                  "mean load (running + waiting) per node:"]  # fmt: skip
         for r in slow:
-            thirds = " | ".join(_shares(third) for third in r["new_sessions_by_third"])
-            lines.append(f"  {r['router']} R={r['replicas']}: {thirds}")
-    if verdicts["rows"]:
+            thirds = " | ".join(
+                f"{_shares(third['shares'])} ({_f(third['from_s'])}-{_f(third['to_s'])} s)"
+                for third in r["new_sessions_by_third"]
+            )
+            loads = " ".join(_f(x["mean_load"]) for x in r["load_by_node"].values())
+            lines.append(f"  {r['router']} R={r['replicas']}: {thirds}; load {loads}")
+    if verdicts["rows"] and any(r["kind"] == "oracle" for r in rows):
         lines += ["", f"targets (this project's rows; vllm-router's best p99 here: "
                   f"{_f(verdicts['vllm_router_best_p99_ms'])} ms):"]  # fmt: skip
         for name, v in verdicts["rows"].items():

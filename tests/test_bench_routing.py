@@ -52,6 +52,7 @@ def test_quick_routing_bench_reports_hit_rate_balance_stickiness_and_ttft(report
         assert row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"] > 0, name
         assert "?" not in row["requests_by_node"], f"{name}: a response without the x-sim-node header"
         assert sum(row["requests_by_node"].values()) == row["ok"], name
+        assert sum(row["moved_turns"].values()) <= row["ok"], name
     chat = report["scenarios"][0]
     assert {row["kind"] for row in chat["rows"]} >= {"oracle", "proxy"}
     for verdict in chat["targets"]["rows"].values():
@@ -63,7 +64,9 @@ def test_quick_routing_bench_reports_new_sessions_per_node_with_a_slow_node(repo
     for row in slow["rows"]:
         assert row["slow_node"] in row["sessions_by_node"]
         thirds = row["new_sessions_by_third"]
-        assert len(thirds) == 3 and all(set(third) == set(row["sessions_by_node"]) for third in thirds)
+        assert len(thirds) == 3 and all(set(third["shares"]) == set(row["sessions_by_node"]) for third in thirds)
+        assert thirds[0]["from_s"] <= thirds[-1]["to_s"]
+        assert set(row["load_by_node"]) == set(row["sessions_by_node"])
         # Compared with the same router on the all-healthy workload (chat-short in the same run).
         assert slow["targets"]["rows"][f"{row['router']} R={row['replicas']}"]["slow_ttft_p99_vs_healthy"] > 0
 
