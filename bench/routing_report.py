@@ -272,7 +272,8 @@ def render_scenario(scenario: Mapping[str, Any]) -> str:
                 for third in r["new_sessions_by_third"]
             )
             loads = " ".join(_f(x["mean_load"]) for x in r["load_by_node"].values())
-            lines.append(f"  {r['router']} R={r['replicas']}: {thirds}; load {loads}")
+            name = f"{r['router']} R={r['replicas']}" if r["kind"] in ("proxy", "vllm-router") else r["router"]
+            lines.append(f"  {name}: {thirds}; load {loads}")
     if verdicts["rows"] and any(r["kind"] == "oracle" for r in rows):
         lines += ["", f"targets (this project's rows; vllm-router's best p99 here: "
                   f"{_f(verdicts['vllm_router_best_p99_ms'])} ms):"]  # fmt: skip
