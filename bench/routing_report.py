@@ -48,12 +48,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _at_least(value: float | None, limit: float) -> bool:
-    return value is not None and value >= limit
+def _at_least(value: float | None, limit: float) -> bool | None:
+    """None when there is nothing to compare with (no oracle or no vllm-router row in the scenario)."""
+    return None if value is None else value >= limit
 
 
-def _at_most(value: float | None, limit: float) -> bool:
-    return value is not None and value <= limit
+def _at_most(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
 
 
 def _hit_rate(nodes: Sequence[NodeReport]) -> float | None:
@@ -274,17 +275,23 @@ def render_scenario(scenario: Mapping[str, Any]) -> str:
             loads = " ".join(_f(x["mean_load"]) for x in r["load_by_node"].values())
             name = f"{r['router']} R={r['replicas']}" if r["kind"] in ("proxy", "vllm-router") else r["router"]
             lines.append(f"  {name}: {thirds}; load {loads}")
-    if verdicts["rows"] and any(r["kind"] == "oracle" for r in rows):
+    comparable = any(r["kind"] == "oracle" for r in rows) or any(
+        "slow_ttft_p99_vs_healthy" in v for v in verdicts["rows"].values()
+    )  # a P/D fleet has neither an oracle nor a healthy twin
+    if verdicts["rows"] and comparable:
         lines += ["", f"targets (this project's rows; vllm-router's best p99 here: "
                   f"{_f(verdicts['vllm_router_best_p99_ms'])} ms):"]  # fmt: skip
         for name, v in verdicts["rows"].items():
-            missed = [k for k, ok in v["met"].items() if not ok]
+            missed = [k for k, ok in v["met"].items() if ok is False]
+            unknown = [k for k, ok in v["met"].items() if ok is None]
             parts = [f"hit {_f(v['hit_rate_vs_oracle'], '.3f')}x oracle", f"max/mean {_f(v['max_mean'], '.2f')}",
                      f"p50 {_f(v['ttft_p50_vs_oracle'], '.2f')}x oracle",
                      f"p99 {_f(v['ttft_p99_vs_vllm_router_best'], '.2f')}x vllm-router best"]  # fmt: skip
             if "slow_ttft_p99_vs_healthy" in v:
                 parts.append(f"p99 {_f(v['slow_ttft_p99_vs_healthy'], '.2f')}x healthy")
             verdict = "all met" if not missed else "missed: " + ", ".join(missed)
+            if unknown:
+                verdict += f" (nothing to compare {', '.join(unknown)} with)"
             lines.append(f"  {name}: {'; '.join(parts)} -> {verdict}")
     return "\n".join(lines)
 
