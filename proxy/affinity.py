@@ -77,18 +77,22 @@ class PrefixIndex:
             current = (crc << 32) | adler
             if start == 0:
                 key = current
-                if self._successor(current) is not None:
-                    known = stop
+                seen = self._successor(current) is not None
             else:
                 successor = self._successor(previous)
                 if successor is None:
                     new[previous] = current
-                elif successor != current:  # followed by something else before, or known to be shared
+                    seen = False
+                elif successor == current:
+                    seen = True  # this very block came after the one before it in an earlier request
+                else:  # followed by something else before, or known to be shared
                     if successor != _SHARED:
                         new[previous] = _SHARED
                     key = current
-                elif known == start:
-                    known = stop  # this very block came after the one before it in an earlier request
+                    # After a shared block the successor is not kept: it was seen if it had one of its own.
+                    seen = self._successor(current) is not None
+            if seen and known == start:
+                known = stop
             previous = current
             start = stop
         if len(new) > self._size:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from proxy.affinity import BLOCK, PrefixIndex, affinity_key
+from proxy.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
 from proxy.balancer import CacheAware
 from proxy.pool import NodeState
 from proxy.records import Node, Role
@@ -97,3 +97,17 @@ def test_cache_aware_moves_a_key_only_off_a_really_overloaded_node_and_all_repli
     assert len(second) == 1 and home.node.node_id not in second
     home.node_running, home.node_waiting, home.kv_usage = 1, 0, 0.99  # KV cache full: moves too
     assert CacheAware().choose(pool, key=key) is not home
+
+
+def test_the_known_part_of_a_prompt_reaches_past_a_shared_preamble_into_the_conversations_own_turns() -> None:
+    index = PrefixIndex()
+    for session in range(3):  # the preamble is shared
+        for turns in (1, 2, 3):
+            found = prompt_bytes(completion(session, turns))
+            assert found is not None
+            index.read(found[0])
+    turn_4 = prompt_bytes(completion(1, 4))
+    assert turn_4 is not None
+    prefix = index.read(turn_4[0])
+    # Only the last turn's line and the partial block at the end are new: a few hundred bytes at most.
+    assert prefix.size - prefix.known < 3 * BLOCK, (prefix.size, prefix.known)
