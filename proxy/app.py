@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.admin import AdminRoutes
 from proxy.api import OpenAIRoutes
-from proxy.balancer import AFFINITY_POLICIES, make_policy
+from proxy.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
 from proxy.discovery import Discovery
 from proxy.ejection import Ejector
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
@@ -117,8 +117,8 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     http = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=settings.max_connections)
     if transport is None:
         transport = http
-    overrides = dict(settings.role_policies)
-    policies = {role: make_policy(overrides.get(role.value, settings.policy)) for role in Role}
+    chosen = dict(settings.policies)
+    policies = {role: make_policy(chosen.get(role.value, DEFAULT_POLICIES[role.value])) for role in Role}
     ejector = Ejector(pool, client, settings.ejection)
     forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None

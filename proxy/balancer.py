@@ -195,6 +195,9 @@ class CacheAware:
 POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
 AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name])
+DEFAULT_POLICIES = {"prefill": CacheAware.name, "decode": LeastLoad.name, "mixed": CacheAware.name}
+"""Per role when no policy flag is given (bench/routing.py): a prefix cache saves prefill and mixed nodes work;
+a decode node only pulls the KV cache, so its load is what matters."""
 """Policies that route by an affinity key (the request's session, user or prompt prefix)."""
 
 

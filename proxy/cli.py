@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 
 from proxy.app import build_app
-from proxy.balancer import POLICIES
+from proxy.balancer import DEFAULT_POLICIES, POLICIES
 from proxy.ejection import EjectionSettings
 from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdUnavailable, parse_endpoints
 from proxy.info import Lifecycle
@@ -66,16 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
     add("--max-header-bytes", type=int, default=64 * 1024, help="largest request headers (default 64 KiB)")
     add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
-    add("--policy", default="least-load", choices=sorted(POLICIES), help="balancing policy (default least-load)")
+    add("--policy", choices=sorted(POLICIES), help="balancing policy for every role (default: cache-aware for "
+        "prefill and mixed nodes, least-load for decode nodes)")  # fmt: skip
     for role in ("prefill", "decode", "mixed"):
-        add(f"--{role}-policy", choices=sorted(POLICIES), help=f"policy for {role} nodes (default: --policy)")
+        add(f"--{role}-policy", choices=sorted(POLICIES), help=f"policy for {role} nodes (default: --policy, else "
+            f"{DEFAULT_POLICIES[role]})")  # fmt: skip
     add("--affinity-header", default="x-session-id", help="session header for consistent-hash (default "
         "x-session-id; without it: the body's user, else the prompt's start)")  # fmt: skip
     add("--pd-min-prompt-tokens", type=int, default=0, help="for a prefill/decode model: a prompt with fewer new "
         "tokens than this (those no earlier request had, so no prefix cache holds) skips the prefill leg and goes "
         "straight to a decode node (default 0: never)")  # fmt: skip
-    add("--scrape-load", type=float, default=0.0, help="seconds between scrapes of each node's /metrics queue "
-        "for the load-aware policies (default 0: off)")  # fmt: skip
+    add("--scrape-load", type=float, default=0.5, help="seconds between scrapes of each node's /metrics (running "
+        "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
     add("--max-resumes", type=int, default=2, help="times a stream may go on from another node after its node "
         "failed mid-way (default 2; 0: never, the stream ends with an error event)")  # fmt: skip
@@ -166,10 +168,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         api_keys=api_keys(args), backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         max_header_bytes=args.max_header_bytes,
-        policy=args.policy, max_attempts=args.max_attempts, max_resumes=args.max_resumes,
+        policies=tuple((r, getattr(args, f"{r}_policy") or args.policy or DEFAULT_POLICIES[r])
+                       for r in ("prefill", "decode", "mixed")),
+        max_attempts=args.max_attempts, max_resumes=args.max_resumes,
         affinity_header=args.affinity_header.lower(),
-        role_policies=tuple((r, getattr(args, f"{r}_policy")) for r in ("prefill", "decode", "mixed")
-                            if getattr(args, f"{r}_policy")),
         scrape_load=args.scrape_load, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),

@@ -55,10 +55,9 @@ class ProxySettings:
     """Key sent to nodes started with vLLM's --api-key; None passes the client's Authorization through."""
     max_concurrent: int = 0
     """Proxied requests in flight on this replica before new ones get 503 + Retry-After; 0 = no limit."""
-    policy: str = "least-load"
-    """Balancing policy: least-load, round-robin, power-of-two or consistent-hash."""
-    role_policies: tuple[tuple[str, str], ...] = ()
-    """(role, policy) pairs overriding ``policy`` for one role, e.g. consistent-hash for prefill only."""
+    policies: tuple[tuple[str, str], ...] = (("prefill", "cache-aware"), ("decode", "least-load"),
+                                             ("mixed", "cache-aware"))  # fmt: skip
+    """(role, policy) for each role: affinity where a prefix cache saves work, load where it does not."""
     affinity_header: str = "x-session-id"
     """Header naming a session for consistent-hash; else the body's ``user``, else the prompt's start."""
     pd_min_prompt_tokens: int = 0
