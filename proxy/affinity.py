@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 BLOCK = 128
 """Bytes per block: about 30 tokens of text, 16 token ids."""
@@ -102,8 +101,7 @@ class PrefixIndex:
         return Prefix(key=key, known=known, size=size)
 
 
-@dataclass(frozen=True, slots=True)
-class Prefix:
+class Prefix(NamedTuple):
     """What ``PrefixIndex.read`` found in a prompt."""
 
     key: int
@@ -151,8 +149,7 @@ BYTES_PER_TOKEN = 4
 """A rough size of a text token, to turn bytes into tokens for --pd-min-prompt-tokens."""
 
 
-@dataclass(frozen=True, slots=True)
-class Hints:
+class Hints(NamedTuple):
     """What routing takes from a request's content."""
 
     key: str | None

@@ -12,8 +12,7 @@ working.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -168,8 +167,7 @@ class OpenAIRoutes:
         return one_leg
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Request:
+class _Request(NamedTuple):
     """What a request's legs (and any continuation's) share."""
 
     path: str

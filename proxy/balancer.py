@@ -152,10 +152,19 @@ def node_load(state: NodeState) -> int:
     return max(state.node_running + state.node_waiting, state.in_flight)
 
 
-def _rank(key: str, node_id: str) -> int:
-    # Rendezvous hashing: every replica ranks the nodes for a key alike, and a node that leaves moves only
-    # the keys it ranked first.
-    return int.from_bytes(hashlib.blake2b(f"{key}|{node_id}".encode(), digest_size=8).digest(), "big")
+_MASK = (1 << 64) - 1
+
+
+def _stable_hash(text: str) -> int:
+    # Not Python's hash(): it is salted per process, and every replica must rank alike.
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _mix(value: int) -> int:
+    """splitmix64's finaliser: spreads the bits of ``key ^ node`` so that each pair ranks independently."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
+    return value ^ (value >> 31)
 
 
 class CacheAware:
@@ -172,6 +181,16 @@ class CacheAware:
         self._epsilon = epsilon
         self._slack = slack
         self._turn = itertools.count()
+        self._node_hashes: dict[str, int] = {}
+
+    def _node_hash(self, state: NodeState) -> int:
+        node_id = state.node.node_id
+        found = self._node_hashes.get(node_id)
+        if found is None:
+            if len(self._node_hashes) > 100_000:  # nodes come and go: keep the cache bounded
+                self._node_hashes.clear()
+            found = self._node_hashes[node_id] = _stable_hash(node_id)
+        return found
 
     def choose(
         self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
@@ -185,7 +204,10 @@ class CacheAware:
             ties = sorted((s for s, n in zip(pool, loads, strict=True) if n == least), key=lambda s: s.node.url)
             return ties[next(self._turn) % len(ties)]
         limit = (1 + self._epsilon) * sum(loads) / len(pool) + self._slack
-        ranked = sorted(zip(pool, loads, strict=True), key=lambda p: _rank(key, p[0].node.node_id), reverse=True)
+        # Rendezvous hashing: every replica ranks the nodes for a key alike, and a node that leaves moves only
+        # the keys it ranked first.
+        seed = _stable_hash(key)
+        ranked = sorted(zip(pool, loads, strict=True), key=lambda p: _mix(seed ^ self._node_hash(p[0])), reverse=True)
         for state, load_now in ranked:
             if load_now <= limit and state.kv_usage < self.KV_FULL:
                 return state

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.balancer import Policy
 from proxy.ejection import Ejector
@@ -47,8 +48,7 @@ class ErrorAnswer:
     node_id: str
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Leg:
+class Leg(NamedTuple):
     """One HTTP request to be sent to some node of ``roles`` (tried in order) serving ``model``."""
 
     roles: tuple[Role, ...]

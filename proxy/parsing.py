@@ -12,7 +12,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from starlette.types import Receive, Scope
@@ -35,8 +35,7 @@ class BodyLimits:
     """Seconds the client may take to send the whole body (slow clients cannot hold a slot forever)."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ClientRequest:
+class ClientRequest(NamedTuple):
     """What the proxy takes from a request's headers, in one pass over them."""
 
     forwarded: list[tuple[bytes, bytes]]

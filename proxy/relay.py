@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.types import Message, Receive, Send
 
@@ -28,8 +27,7 @@ Reopen = Callable[[dict[str, Any], tuple[NodeState, ...]], Awaitable[Upstream | 
 """Sends a continuation body through the normal routing, avoiding the given nodes where it can."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResumePlan:
+class ResumePlan(NamedTuple):
     """How a resumable stream goes on elsewhere when its node fails (resume.py)."""
 
     path: str

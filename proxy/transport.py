@@ -18,7 +18,7 @@ import ssl
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -48,8 +48,7 @@ class Origin:
         return cls(scheme=scheme, host=host, port=port, host_header=parts.netloc.encode("ascii"))
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpstreamRequest:
+class UpstreamRequest(NamedTuple):
     """One POST to a node. ``head`` holds the request's header lines (each ending in CRLF) other than Host and
     Content-Length, which the transport adds."""
 
@@ -127,8 +126,7 @@ class _Response:
     # -- used by the forwarder ------------------------------------------------------------------------
 
     async def wait_head(self, timeout: float, node: str) -> None:
-        timer = self._loop.call_later(timeout, self.fail, UpstreamTimeout(f"node {node} did not answer within "
-                                                                          f"{timeout:g} s"))  # fmt: skip
+        timer = self._loop.call_later(timeout, self._head_timeout, timeout, node)
         try:
             while not self.head_done:
                 if self._error is not None:
@@ -137,6 +135,9 @@ class _Response:
                 await self._waiter
         finally:
             timer.cancel()
+
+    def _head_timeout(self, timeout: float, node: str) -> None:
+        self.fail(UpstreamTimeout(f"node {node} did not answer within {timeout:g} s"))
 
     def start_idle_timer(self, idle: float, node: str) -> None:
         self._idle = idle

@@ -262,10 +262,12 @@ async def test_watch_raises_unavailable_when_etcd_dies(etcd: EtcdServer, own_cli
 async def test_unary_calls_and_keep_alive_fail_over_when_a_member_dies(cluster: EtcdCluster) -> None:
     async with EtcdClient(EtcdSettings(endpoints=cluster.endpoints, timeout=2.0)) as client:
         assert client.current_endpoint == cluster.endpoints[0]
-        lease = await client.grant(3)
+        # A TTL that outlasts a leader election on a loaded machine (the client gives a lease up once no refresh
+        # succeeded within its TTL); held for longer than the TTL, so only a keep-alive that failed over keeps it.
+        lease = await client.grant(6)
         await client.put("/f/a", "1", lease=lease)
         refreshed: list[int] = []
-        keeper = asyncio.create_task(client.keep_alive(lease, 3, refreshed.append))
+        keeper = asyncio.create_task(client.keep_alive(lease, 6, refreshed.append))
         try:
             await eventually(lambda: bool(refreshed), 3.0, "first refresh")
             cluster.members[0].kill()
@@ -273,7 +275,7 @@ async def test_unary_calls_and_keep_alive_fail_over_when_a_member_dies(cluster: 
             assert client.current_endpoint != cluster.endpoints[0]
             _, kvs = await client.get_prefix("/f/")
             assert [kv.value for kv in kvs] == [b"1", b"2"]
-            await holds(lambda: _present(client, "/f/a"), 4.0, "leased key kept alive through another member")
+            await holds(lambda: _present(client, "/f/a"), 8.0, "leased key kept alive through another member")
             assert not keeper.done()
         finally:
             keeper.cancel()
