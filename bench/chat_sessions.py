@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from bench.chat_report import Phase, render, summarise
-from bench.procs import Fleet, Server, machine_cpu_seconds
-from bench.proxy_overhead import code_version
+from bench.procs import Fleet, Server, code_version, machine_cpu_seconds, report_and_exit_status
 from bench.sessions import Target, Workload, pinned, round_robin, run_loop, run_sessions
 
 MODEL = "sim-model"
@@ -153,16 +149,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through Fleet.__exit__, which stops the servers
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    report = run(args)
-    print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["ok"] else 1
+    return report_and_exit_status(lambda: run(args), render, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -157,3 +158,32 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
             server.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def code_version() -> str:
+    """The commit the servers run from, with "+dirty" when proxy/ or sim/ have uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "proxy", "sim"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the benchmark's with-blocks, which stop the servers
+
+
+def report_and_exit_status(run: Callable[[], dict[str, object]], render: Callable[[dict[str, object]], str], *,
+                           as_json: bool, save: Path | None = None) -> int:  # fmt: skip
+    """Run a benchmark (SIGTERM stops it cleanly), print its report as a table or JSON, optionally save the
+    JSON; the exit status is 1 when a request failed."""
+    signal.signal(signal.SIGTERM, _terminate)
+    report = run()
+    if save is not None:
+        save.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    return 0 if report["ok"] else 1

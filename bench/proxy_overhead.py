@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import httpx
 
 from bench.load import CLIENT_MODES, Generator, Phase, Result, Target, completion_body
-from bench.procs import Fleet, Server, machine_cpu_seconds
+from bench.procs import Fleet, Server, code_version, machine_cpu_seconds, report_and_exit_status
 from bench.report import Scenario, Totals, all_succeeded, headline, render, scenario_summary
 
 MODEL = "sim-model"
@@ -213,29 +209,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def code_version() -> str:
-    """The commit the servers run from, with "+dirty" when proxy/ or sim/ have uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "proxy", "sim"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)  # unwinds through Fleet.__exit__, which stops the servers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    report = run(args)
-    print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["ok"] else 1
+    return report_and_exit_status(lambda: run(args), render, as_json=args.json)
 
 
 if __name__ == "__main__":

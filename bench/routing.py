@@ -18,10 +18,8 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import os
 import platform
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -29,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chat_sessions import placement
-from bench.proxy_overhead import code_version
+from bench.procs import code_version, report_and_exit_status
 from bench.routing_fleet import DEFAULT_VLLM_ROUTER, Frontend, LoadSample, NodeSpec, NodeTimings, Stack, sample_load
 from bench.routing_plan import SESSION_HEADER, Router, Scenario, cache_blocks, routers_in, scenarios
 from bench.routing_report import Outcome, judge, render, summarise
@@ -246,18 +244,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through Stack.__exit__, which stops the servers
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _terminate)
-    report = run(args)
-    if args.save:
-        args.save.write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2) if args.json else render(report))
-    return 0 if report["ok"] else 1
+    return report_and_exit_status(lambda: run(args), render, as_json=args.json, save=args.save)
 
 
 if __name__ == "__main__":

@@ -4,28 +4,19 @@ assertions: the machine may be busy."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.bench import run_bench
+
 SIDES = ("direct", "proxy")
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.chat_sessions", "--quick", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
+    return run_bench("bench.chat_sessions", "--quick", timeout=90)
 
 
 def test_quick_chat_bench_every_request_succeeds_and_every_session_runs_all_turns(report: dict[str, Any]) -> None:

@@ -5,27 +5,17 @@ what the benchmark is for, and the machine may be busy."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.bench import run_bench
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.routing", "--quick", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
+    return run_bench("bench.routing", "--quick", timeout=120)
 
 
 def _rows(report: dict[str, Any]) -> list[dict[str, Any]]:

@@ -3,28 +3,19 @@ failed, every server it started is gone afterwards. No timing assertions: the ma
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.bench import run_bench
+
 SCENARIOS = {"plain", "stream", "serial", "disagg-plain", "disagg-stream"}
 
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.proxy_overhead", "--quick", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
+    return run_bench("bench.proxy_overhead", "--quick", timeout=120)
 
 
 def test_quick_bench_reports_every_scenario_with_all_requests_succeeded(report: dict[str, Any]) -> None:
