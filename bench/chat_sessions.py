@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.chat_report import Phase, render, summarise
-from bench.procs import Fleet, Server, code_version, machine_cpu_seconds, report_and_exit_status
+from bench.procs import Fleet, Server, code_version, machine, machine_cpu_seconds, report_and_exit_status
 from bench.sessions import Target, Workload, pinned, round_robin, run_loop, run_sessions
 
 MODEL = "sim-model"
@@ -135,11 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         phases = run_loop(measure(args, nodes, proxy))
     summary = summarise(phases)
     return {
-        "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
-            "date": started,
-            "loadavg_start": loadavg_start, "loadavg_end": Path("/proc/loadavg").read_text().split()[0],
-        },
+        "machine": machine(started, loadavg_start),
         "code": code_version(),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "logs")},
         "placement": where,

@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import json
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -187,3 +188,11 @@ def report_and_exit_status(run: Callable[[], dict[str, object]], render: Callabl
         save.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2) if as_json else render(report))
     return 0 if report["ok"] else 1
+
+
+def machine(started: str, loadavg_start: str) -> dict[str, object]:
+    """What a report says about the machine a run had: CPUs, Python, kernel, date, load before and after."""
+    return {
+        "cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(), "date": started,
+        "loadavg_start": loadavg_start, "loadavg_end": Path("/proc/loadavg").read_text().split()[0],
+    }  # fmt: skip

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ from typing import Any
 import httpx
 
 from bench.load import CLIENT_MODES, Generator, Phase, Result, Target, completion_body
-from bench.procs import Fleet, Server, code_version, machine_cpu_seconds, report_and_exit_status
+from bench.procs import Fleet, Server, code_version, machine, machine_cpu_seconds, report_and_exit_status
 from bench.report import Scenario, Totals, all_succeeded, headline, render, scenario_summary
 
 MODEL = "sim-model"
@@ -195,11 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise
         generator.close()
     return {
-        "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
-            "date": started,
-            "loadavg_start": loadavg_start, "loadavg_end": Path("/proc/loadavg").read_text().split()[0],
-        },
+        "machine": machine(started, loadavg_start),
         "code": code_version(),
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "logs")} | {"ttft": 0.0},
         "server_pids": pids,

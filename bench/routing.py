@@ -18,8 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chat_sessions import placement
-from bench.procs import code_version, report_and_exit_status
+from bench.procs import code_version, machine, report_and_exit_status
 from bench.routing_fleet import DEFAULT_VLLM_ROUTER, Frontend, LoadSample, NodeSpec, NodeTimings, Stack, sample_load
 from bench.routing_plan import SESSION_HEADER, Router, Scenario, cache_blocks, routers_in, scenarios
 from bench.routing_report import Outcome, judge, render, summarise
@@ -230,10 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         })  # fmt: skip
     failed = sum(r["failed"] for s in results for r in s["rows"])
     return {
-        "machine": {
-            "cpus": os.cpu_count(), "python": platform.python_version(), "date": started_at,
-            "loadavg_start": loadavg_start, "loadavg_end": Path("/proc/loadavg").read_text().split()[0],
-        },
+        "machine": machine(started_at, loadavg_start),
         "code": code_version(),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("json",)},
         "placement": where,

@@ -4,12 +4,11 @@ assertions: the machine may be busy."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
-from tests.support.bench import run_bench
+from tests.support.bench import run_bench, still_running
 
 SIDES = ("direct", "proxy")
 
@@ -57,11 +56,4 @@ def test_quick_chat_bench_reports_ttft_latency_cpu_and_added_ttft(report: dict[s
 def test_quick_chat_bench_stops_every_server_it_started(report: dict[str, Any]) -> None:
     pids = report["server_pids"]
     assert set(pids) == {"proxy", *(f"node{i}" for i in range(report["config"]["nodes"]))}
-    alive = []
-    for name, pid in pids.items():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(name)
-    assert alive == []
+    assert still_running(pids) == []

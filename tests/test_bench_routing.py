@@ -5,12 +5,11 @@ what the benchmark is for, and the machine may be busy."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
-from tests.support.bench import run_bench
+from tests.support.bench import run_bench, still_running
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +72,4 @@ def test_quick_routing_bench_traces_each_prefill_leg_to_its_session(report: dict
 def test_quick_routing_bench_stops_every_server_it_started(report: dict[str, Any]) -> None:
     pids = report["server_pids"]
     assert any(name.endswith("/mixed0") for name in pids) and any(name.endswith("/proxy0") for name in pids)
-    alive = []
-    for name, pid in pids.items():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(name)
-    assert alive == []
+    assert still_running(pids) == []

@@ -3,12 +3,11 @@ failed, every server it started is gone afterwards. No timing assertions: the ma
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
-from tests.support.bench import run_bench
+from tests.support.bench import run_bench, still_running
 
 SCENARIOS = {"plain", "stream", "serial", "disagg-plain", "disagg-stream"}
 
@@ -47,11 +46,4 @@ def test_quick_bench_headline_has_the_proxy_cpu_figures(report: dict[str, Any]) 
 def test_quick_bench_stops_every_server_it_started(report: dict[str, Any]) -> None:
     pids = report["server_pids"]
     assert set(pids) == {"node", "proxy", "prefill", "decode", "proxy-disagg"}
-    alive = []
-    for name, pid in pids.items():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.append(name)
-    assert alive == []
+    assert still_running(pids) == []
