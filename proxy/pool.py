@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from proxy.events import PoolEvent, Remove, Snapshot, Upsert
-from proxy.records import Node, Role, Source, Status
+from proxy.records import Node, Role, Status
 
 
 @dataclass(eq=False)
@@ -176,5 +176,3 @@ class Pool:
         """Nodes whose models must be learned from GET /v1/models."""
         return [s for s in self._entries.values() if not s.node.models]
 
-    def count(self, role: Role, source: Source | None = None) -> int:
-        return sum(1 for s in self.by_role(role) if source is None or s.node.source is source)

@@ -85,13 +85,6 @@ class NodeProbe:
         """Return if GET /health answers 200; raise ``ProbeError`` otherwise."""
         await self._get("/health")
 
-    async def healthy(self) -> bool:
-        try:
-            await self.check_health()
-        except ProbeError:
-            return False
-        return True
-
     async def models(self) -> tuple[str, ...]:
         """Served model ids (base models and loaded LoRA adapters) from GET /v1/models."""
         return parse_models(await self._get_json("/v1/models"))
