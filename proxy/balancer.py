@@ -95,8 +95,8 @@ class PowerOfTwo:
         return first if load(first) <= load(second) else second
 
 
-def _point(text: str) -> int:
-    # A stable hash (not Python's salted hash()): every replica must place nodes and keys alike.
+def _stable_hash(text: str) -> int:
+    # Not Python's hash(): it is salted per process, and every replica must place keys alike.
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
@@ -119,7 +119,7 @@ class ConsistentHash:
     def _ring(self, urls: tuple[str, ...]) -> None:
         if urls == self._ring_of:
             return
-        pairs = sorted((_point(f"{url}#{i}"), url) for url in urls for i in range(self.VNODES))
+        pairs = sorted((_stable_hash(f"{url}#{i}"), url) for url in urls for i in range(self.VNODES))
         self._points = [p for p, _ in pairs]
         self._owners = [u for _, u in pairs]
         self._ring_of = urls
@@ -134,7 +134,7 @@ class ConsistentHash:
         self._ring(tuple(sorted(by_url)))
         total = sum(load(s) for s in pool) + 1
         capacity = math.ceil(total * (1 + self._epsilon) / len(pool))
-        start = bisect.bisect(self._points, _point(key))
+        start = bisect.bisect(self._points, _stable_hash(key))
         seen: set[str] = set()
         for i in range(len(self._owners)):
             url = self._owners[(start + i) % len(self._owners)]
@@ -153,11 +153,6 @@ def node_load(state: NodeState) -> int:
 
 
 _MASK = (1 << 64) - 1
-
-
-def _stable_hash(text: str) -> int:
-    # Not Python's hash(): it is salted per process, and every replica must rank alike.
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 def _mix(value: int) -> int:

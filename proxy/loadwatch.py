@@ -15,7 +15,6 @@ import re
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.pool import NodeState, Pool
 
@@ -53,20 +52,6 @@ def read_node_load(text: bytes) -> tuple[int, int, float] | None:
     return (int(running), int(waiting), usage) if seen else None
 
 
-def parse_vllm_load(text: str) -> tuple[float, float] | None:
-    """(running, waiting) summed over label sets (engines, models); None when neither gauge is there.
-
-    Raises ValueError when ``text`` is not Prometheus text.
-    """
-    running = waiting = 0.0
-    seen = False
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == RUNNING:
-                running, seen = running + sample.value, True
-            elif sample.name == WAITING:
-                waiting, seen = waiting + sample.value, True
-    return (running, waiting) if seen else None
 
 
 class LoadWatcher:

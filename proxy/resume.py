@@ -90,10 +90,9 @@ class StreamLog:
         self._tail = chunk[end:]
         return chunk[:end] if self._tail else chunk
 
-    def drop_partial(self) -> bytes:
-        """Forget the partial event kept from a node that failed (the client never got it); returns it."""
-        tail, self._tail = self._tail, b""
-        return tail
+    def drop_partial(self) -> None:
+        """Forget the partial event kept from a node that failed (the client never got it)."""
+        self._tail = b""
 
     def add(self, events: bytes) -> None:
         self._parts.append(events)

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from proxy.httpclient import stateless_client
-from proxy.loadwatch import RUNNING, WAITING, parse_vllm_load
+from proxy.loadwatch import RUNNING, WAITING, read_node_load
 from registrar.errors import NodeUnreachable, ProbeError
 
 LOAD_METRICS = (RUNNING, WAITING)
@@ -35,13 +35,10 @@ def parse_models(body: Any) -> tuple[str, ...]:
 
 def parse_load(text: str) -> int:
     """running + waiting requests from Prometheus text, summed over label sets (engines, models)."""
-    try:
-        load = parse_vllm_load(text)
-    except ValueError as exc:
-        raise ProbeError(f"/metrics is not Prometheus text: {exc}") from None
+    load = read_node_load(text.encode())
     if load is None:
         raise ProbeError(f"/metrics has none of {', '.join(LOAD_METRICS)}")
-    return int(round(sum(load)))
+    return load[0] + load[1]
 
 
 class NodeProbe:
