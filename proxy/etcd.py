@@ -201,6 +201,12 @@ def _transient(exc: grpc.aio.AioRpcError) -> bool:
     return code in _TRANSIENT or (code == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or ""))
 
 
+def _member_answered(exc: grpc.aio.AioRpcError) -> bool:
+    """The member is up but said it cannot serve right now ("etcdserver: no leader", "leader changed", "request
+    timed out"): an election is on, or this member is cut off from the others."""
+    return (exc.details() or "").startswith("etcdserver:")
+
+
 def _bad_token(exc: grpc.aio.AioRpcError) -> bool:
     return "invalid auth token" in (exc.details() or "")
 
@@ -224,6 +230,7 @@ class EtcdClient:
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
         self._index = 0
+        self._unreachable_at: dict[int, float] = {}  # endpoint index -> when it last could not be reached
         self._channel: Any = None
         self._token: str | None = None
         self._auth_lock = asyncio.Lock()
@@ -300,10 +307,21 @@ class EtcdClient:
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
-    def _failed(self, endpoint: str) -> None:
-        """Move on to the next endpoint (a fresh connection even when there is only one)."""
-        if endpoint == self.current_endpoint:
-            self._use((self._index + 1) % len(self.settings.endpoints))
+    def _failed(self, endpoint: str, *, answered: bool = False) -> None:
+        """Move on to the next endpoint, skipping members unreachable lately (a fresh connection even when there
+        is only one). ``answered``: the member is up but could not serve (no leader: an election, or this member
+        is cut off from the others), so it is left without being marked unreachable. Several tasks report
+        failures of the same member, so only the current endpoint's failure counts."""
+        if endpoint != self.current_endpoint:
+            return
+        now = time.monotonic()
+        if not answered:
+            self._unreachable_at[self._index] = now
+        count = len(self.settings.endpoints)
+        following = [(self._index + step) % count for step in range(1, count + 1)]
+        recent = 2 * self.settings.timeout
+        reachable = [i for i in following if now - self._unreachable_at.get(i, -recent) >= recent]
+        self._use(reachable[0] if reachable else min(following, key=lambda i: self._unreachable_at.get(i, 0.0)))
 
     async def _metadata(self) -> list[tuple[str, str]]:
         if self.settings.user is None:
@@ -325,6 +343,8 @@ class EtcdClient:
     async def _unary(self, method: str, request: Message, reply: type[_M], *, auth: bool = True) -> _M:
         failures = 0
         reauthenticated = False
+        patience = time.monotonic() + self.settings.timeout  # for a cluster electing a leader
+        delay = 0.05
         while True:
             if self._channel is None:
                 self._use(self._index)
@@ -339,6 +359,12 @@ class EtcdClient:
                     continue
                 if not _transient(exc):
                     raise _translate(exc, endpoint) from None
+                if _member_answered(exc) and time.monotonic() + delay < patience:
+                    log.info("etcd cannot serve yet endpoint=%s method=%s: %s", endpoint, method, exc.details())
+                    self._failed(endpoint, answered=True)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+                    continue
                 failures += 1
                 log.warning("etcd call failed endpoint=%s method=%s code=%s", endpoint, method, exc.code())
                 self._failed(endpoint)
@@ -463,7 +489,7 @@ class EtcdClient:
                     lease_id,
                     type(exc).__name__,
                 )
-                self._failed(endpoint)
+                self._failed(endpoint, answered=isinstance(exc, grpc.aio.AioRpcError) and _member_answered(exc))
                 await asyncio.sleep(min(delay, max(0.0, expires - time.monotonic())))
                 delay = min(delay * 2, max(interval, 0.1))
             finally:
@@ -513,7 +539,7 @@ class EtcdClient:
             if _bad_token(exc):
                 self._token = None
             else:
-                self._failed(endpoint)
+                self._failed(endpoint, answered=_member_answered(exc))
             raise _translate(exc, endpoint) from None
         except (TimeoutError, asyncio.InvalidStateError, EtcdUnavailable) as exc:
             self._failed(endpoint)
