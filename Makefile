@@ -25,12 +25,12 @@ test: venv etcd
 	$(BIN)/python -m pytest -q
 
 lint: venv
-	$(BIN)/ruff check proxy registrar sim tests $(wildcard bench)
-	$(BIN)/mypy proxy registrar sim $(wildcard bench)
+	$(BIN)/ruff check fleet proxy registrar sim tests $(wildcard bench)
+	$(BIN)/mypy fleet proxy registrar sim $(wildcard bench)
 
-# Regenerate proxy/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).
+# Regenerate fleet/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).
 protos:
-	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=proxy/pb --pyi_out=proxy/pb protos/etcd_rpc.proto protos/node_record.proto
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=fleet/pb --pyi_out=fleet/pb protos/etcd_rpc.proto protos/node_record.proto
 
 bench: venv
 	$(BIN)/python -m bench.proxy_overhead

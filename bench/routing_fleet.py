@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from bench.procs import HOST, Fleet, Server, die_with_parent, free_port
-from proxy.loadwatch import read_node_load
+from fleet.vllm import read_node_load
 
 MODEL = "sim-model"
 DEFAULT_VLLM_ROUTER = Path.home() / ".cache/vllm-proxy-bench/venv/bin/vllm-router"

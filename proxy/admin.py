@@ -19,15 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleet.etcd import EtcdClient, EtcdError
+from fleet.pb import node_record_pb2
+from fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, encode_record, split_host_port
 from proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
-from proxy.etcd import EtcdClient, EtcdError
 from proxy.guard import bearer_token
 from proxy.metrics import ProxyMetrics
 from proxy.parsing import BodyLimits, parse_object, read_body
-from proxy.pb import node_record_pb2
 from proxy.pool import Pool
 from proxy.prober import fetch_models
-from proxy.records import InvalidRecord, KeyLayout, Node, Role, Source, encode_record, split_host_port
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class AdminRoutes:
             served = await fetch_models(self._client, url, self._backend_auth)
             up = True
         except (httpx.HTTPError, ValueError):
-            served, up = [], False
+            served, up = (), False
         if self._etcd is not None:
             record = node_record_pb2.NodeRecord(url=url, role=req.role.value, status="serving", source="admin")
             try:

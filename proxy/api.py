@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet.records import Role
 from proxy.affinity import Hints, PrefixIndex, route_hints
 from proxy.disagg import Disaggregator
 from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
@@ -25,7 +26,6 @@ from proxy.guard import ClientKeys, ConcurrencyLimit
 from proxy.metrics import ProxyMetrics
 from proxy.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
 from proxy.pool import NodeState, Pool
-from proxy.records import Role
 from proxy.relay import Exchange, Relay, ResumePlan, send_error
 from proxy.resume import not_resumable
 from proxy.settings import ProxySettings

@@ -20,23 +20,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet.etcd import EtcdClient
+from fleet.httpclient import stateless_client
+from fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from proxy.admin import AdminRoutes
 from proxy.api import OpenAIRoutes
 from proxy.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
 from proxy.discovery import Discovery
 from proxy.ejection import Ejector
 from proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
-from proxy.etcd import EtcdClient
 from proxy.events import DiscoveryState
 from proxy.forwarder import Forwarder
 from proxy.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
-from proxy.httpclient import stateless_client
 from proxy.info import InfoRoutes, Lifecycle, not_ready_reason
 from proxy.loadwatch import LoadWatcher
 from proxy.metrics import PoolCollector, ProxyMetrics
 from proxy.pool import Pool
 from proxy.prober import ModelProber
-from proxy.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from proxy.settings import ProxySettings
 from proxy.transport import HttpTransport, Transport
 from proxy.workers import METRICS_DIR_ENV
@@ -174,9 +174,17 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         scraped.register(PoolCollector(pool, discovery_state))
     routes = [
         *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle).routes(),
-        *AdminRoutes(pool=pool, client=client, admin_key=settings.admin_key, etcd=etcd, layout=layout,
-                     models=settings.models, metrics=metrics, allowed=settings.admin_allow,
-                     backend_auth=backend_auth).routes(),  # fmt: skip
+        *AdminRoutes(
+            pool=pool,
+            client=client,
+            admin_key=settings.admin_key,
+            etcd=etcd,
+            layout=layout,
+            models=settings.models,
+            metrics=metrics,
+            allowed=settings.admin_allow,
+            backend_auth=backend_auth,
+        ).routes(),  # fmt: skip
         Route("/v1/models", list_models, methods=["GET"]),
     ]
     operator_app = Starlette(

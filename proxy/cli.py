@@ -19,12 +19,13 @@ from types import FrameType
 
 import uvicorn
 
+from fleet.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdUnavailable, parse_endpoints
+from fleet.flags import environment_defaults, read_password
+from fleet.records import KeyLayout
 from proxy.app import build_app
 from proxy.balancer import DEFAULT_POLICIES, POLICIES
 from proxy.ejection import EjectionSettings
-from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdUnavailable, parse_endpoints
 from proxy.info import Lifecycle
-from proxy.records import KeyLayout
 from proxy.settings import ProxySettings, TimeoutSettings
 from proxy.workers import run_workers
 
@@ -32,11 +33,6 @@ ENV_PREFIX = "VLLM_PROXY_"
 WORKER_READY_WAIT = 15.0
 """Seconds a starting worker waits to be ready (etcd synced, a node routable) before it takes connections."""
 LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr"}
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(ENV_PREFIX + name.upper().replace("-", "_"))
-    return value if value not in (None, "") else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,29 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _apply_env(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
-    """Environment variables become defaults, so the command line still wins."""
-    defaults: dict[str, object] = {}
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        value = _env(action.dest)
-        if value is None:
-            continue
-        if action.dest in LIST_FLAGS:
-            defaults[action.dest] = [v.strip() for v in value.split(",") if v.strip()]
-        elif action.type is not None and callable(action.type):
-            try:
-                defaults[action.dest] = action.type(value)
-            except ValueError:
-                parser.error(f"{ENV_PREFIX}{action.dest.upper()}={value!r} is not a valid {action.dest}")
-        else:
-            defaults[action.dest] = value
-    if "admin_key" not in defaults and os.environ.get("ADMIN_API_KEY"):
-        defaults["admin_key"] = os.environ["ADMIN_API_KEY"]
-    parser.set_defaults(**defaults)
-
-
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     keys = list(args.api_key)
     if args.api_key_file:
@@ -144,22 +117,13 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def etcd_password(args: argparse.Namespace) -> str | None:
-    if args.etcd_password_file:
-        try:
-            with open(args.etcd_password_file, encoding="utf-8") as handle:
-                return handle.readline().rstrip("\r\n")
-        except OSError as exc:
-            raise ValueError(f"--etcd-password-file: {exc.strerror}: {args.etcd_password_file}") from None
-    return str(args.etcd_password) if args.etcd_password else None
-
-
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
             endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, cacert=args.etcd_cacert,
-            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user, password=etcd_password(args),
+            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+            password=read_password(args.etcd_password, args.etcd_password_file),
         )  # fmt: skip
     return ProxySettings(
         host=args.host, port=args.port, etcd=etcd, etcd_prefix=args.etcd_prefix, cluster=args.cluster,
@@ -227,9 +191,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # httpx logs every upstream request at info; our own lines carry what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -238,7 +200,12 @@ def parse_settings(argv: Sequence[str]) -> ProxySettings:
     """Flags (then ``VLLM_PROXY_*`` variables) to settings; a usage error exits with status 2."""
     parser = build_parser()
     argv = list(argv)
-    _apply_env(parser, argv)
+    try:
+        environment_defaults(parser, ENV_PREFIX, argv, LIST_FLAGS)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if "admin_key" not in parser._defaults and os.environ.get("ADMIN_API_KEY"):
+        parser.set_defaults(admin_key=os.environ["ADMIN_API_KEY"])  # the seed's variable
     args = parser.parse_args(argv)
     if args.max_attempts < 1:
         parser.error("--max-attempts must be at least 1")

@@ -18,10 +18,10 @@ from typing import Any
 
 import orjson
 
+from fleet.records import Role
 from proxy.errors import UpstreamFailed, UpstreamTimeout
 from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
 from proxy.pool import NodeState
-from proxy.records import Role
 from proxy.settings import TimeoutSettings
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def decode_body(raw: bytes, body: Mapping[str, Any], kv_transfer_params: Any) ->
         end = raw.rstrip()
         if end.endswith(b"}"):
             # The client's bytes up to its closing brace, then the one new field: nothing else is re-encoded.
-            return b"%s,\"kv_transfer_params\":%s}" % (end[:-1], orjson.dumps(kv_transfer_params))
+            return b'%s,"kv_transfer_params":%s}' % (end[:-1], orjson.dumps(kv_transfer_params))
     leg = dict(body)
     if kv_transfer_params is None:
         leg.pop("kv_transfer_params", None)
@@ -75,7 +75,14 @@ class Disaggregator:
         self._timeouts = timeouts
 
     async def run(
-        self, *, path: bytes, model: str, raw: bytes, body: Mapping[str, Any], head: bytes, affinity: str | None,
+        self,
+        *,
+        path: bytes,
+        model: str,
+        raw: bytes,
+        body: Mapping[str, Any],
+        head: bytes,
+        affinity: str | None,
         avoid: Collection[NodeState] = (),
     ) -> Upstream | ErrorAnswer:
         kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity)

@@ -15,9 +15,9 @@ import logging
 import random
 from collections.abc import Callable
 
-from proxy.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
+from fleet.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
+from fleet.records import InvalidRecord, KeyLayout, Node
 from proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
-from proxy.records import InvalidRecord, KeyLayout, Node
 
 log = logging.getLogger(__name__)
 

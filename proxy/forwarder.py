@@ -15,12 +15,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from fleet.records import Role
 from proxy.balancer import Policy
 from proxy.ejection import Ejector
 from proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
 from proxy.metrics import ProxyMetrics
 from proxy.pool import NodeState, Pool
-from proxy.records import Role
 from proxy.settings import ProxySettings
 from proxy.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 

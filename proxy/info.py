@@ -11,9 +11,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleet.records import Role
 from proxy.events import DiscoveryState
 from proxy.pool import NodeState, Pool
-from proxy.records import Role
 
 
 def worker_view(state: NodeState) -> dict[str, Any]:

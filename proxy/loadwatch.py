@@ -3,55 +3,25 @@
 A replica only knows its own in-flight requests; the node's ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting`` count every replica's and direct clients', and ``vllm:kv_cache_usage_perc`` says
 how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. Scraped
-every ``interval`` seconds (``--scrape-load``; a request per node per interval, read with a regular expression
-rather than a full Prometheus parser: vLLM's page is large).
+every ``interval`` seconds (``--scrape-load``; a request per node per interval).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 
 import httpx
 
+from fleet.vllm import read_node_load
 from proxy.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
 
-RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 SCRAPE_TIMEOUT = httpx.Timeout(2.0)
 PARALLEL_SCRAPES = 32
 """Scrapes in flight at once, however many nodes there are."""
-_GAUGES = re.compile(
-    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M
-)
-
-
-def read_node_load(text: bytes) -> tuple[int, int, float] | None:
-    """(running, waiting, KV-cache usage) from a vLLM /metrics page, summed over engines (usage: the highest);
-    None when the page has none of them."""
-    running = waiting = 0.0
-    usage = 0.0
-    seen = False
-    for name, value in _GAUGES.findall(text):
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        if number != number:  # NaN
-            continue
-        seen = True
-        if name == b"num_requests_running":
-            running += number
-        elif name == b"num_requests_waiting":
-            waiting += number
-        else:
-            usage = max(usage, number)
-    return (int(running), int(waiting), usage) if seen else None
-
-
 
 
 class LoadWatcher:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from fleet.records import Node, Role, Status
 from proxy.events import PoolEvent, Remove, Snapshot, Upsert
-from proxy.records import Node, Role, Status
 
 
 @dataclass(eq=False)
@@ -175,4 +175,3 @@ class Pool:
     def needs_models(self) -> list[NodeState]:
         """Nodes whose models must be learned from GET /v1/models."""
         return [s for s in self._entries.values() if not s.node.models]
-

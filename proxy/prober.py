@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 import httpx
 
+from fleet.vllm import parse_models
 from proxy.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
@@ -21,15 +21,11 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 
-async def fetch_models(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> list[str]:
+async def fetch_models(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> tuple[str, ...]:
     """Model ids from ``{url}/v1/models``; raises httpx.HTTPError or ValueError on a bad answer."""
     response = await client.get(f"{url}/v1/models", timeout=PROBE_TIMEOUT, headers=headers)
     response.raise_for_status()
-    payload: Any = response.json()
-    data = payload.get("data") if isinstance(payload, dict) else None
-    if not isinstance(data, list):
-        raise ValueError("GET /v1/models did not return an OpenAI model list")
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    return parse_models(response.json())
 
 
 class ModelProber:

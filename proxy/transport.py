@@ -357,8 +357,9 @@ class _NodePool:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 if origin.scheme == "https":
-                    await self.loop.create_connection(lambda: conn, origin.host, origin.port,
-                                                      ssl=self._ssl_context(), server_hostname=origin.host)
+                    await self.loop.create_connection(
+                        lambda: conn, origin.host, origin.port, ssl=self._ssl_context(), server_hostname=origin.host
+                    )
                 else:
                     await self.loop.create_connection(lambda: conn, origin.host, origin.port)
         except TimeoutError:

@@ -17,8 +17,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from proxy.etcd import EtcdSettings, parse_endpoints
-from proxy.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
+from fleet.etcd import EtcdSettings, parse_endpoints
+from fleet.flags import environment_defaults, read_password
+from fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
 from registrar.errors import StartupError, UsageError
 from registrar.runner import Runner
 from registrar.settings import MAX_TTL, MIN_TTL, RegistrarSettings
@@ -66,15 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _env(args: argparse.Namespace) -> None:
-    """Fill flags not given on the command line from the environment."""
-    for name in vars(args):
-        if getattr(args, name) is None:
-            text = os.environ.get(ENV_PREFIX + name.upper())
-            if text is not None:
-                setattr(args, name, [item for item in text.split(",") if item] if name == "label" else text)
-
-
 def _number(text: str | None, flag: str, default: float, *, low: float, high: float = math.inf) -> float:
     if text is None:
         return default
@@ -105,18 +97,6 @@ def _labels(items: Sequence[str] | None) -> dict[str, str]:
     return labels
 
 
-def _password(args: argparse.Namespace) -> str | None:
-    if args.etcd_password is not None:
-        return str(args.etcd_password)
-    if args.etcd_password_file is None:
-        return None
-    try:
-        with open(args.etcd_password_file, encoding="utf-8") as file:
-            return file.readline().rstrip("\r\n")
-    except OSError as exc:
-        raise UsageError(f"--etcd-password-file {args.etcd_password_file}: {exc.strerror or exc}") from None
-
-
 def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     """Flags (plus environment) -> (settings, log level); raise ``UsageError`` saying what is wrong."""
     argv = list(argv)
@@ -126,8 +106,12 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         argv, command = argv[:split], tuple(argv[split + 1 :])
         if not command:
             raise UsageError("'--' must be followed by a command")
-    args = build_parser().parse_args(argv)
-    _env(args)
+    parser = build_parser()
+    try:
+        environment_defaults(parser, ENV_PREFIX, argv, lists={"label"})
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    args = parser.parse_args(argv)
     for flag in ("etcd", "role", "url"):
         if not getattr(args, flag):
             raise UsageError(f"--{flag} is required (or {ENV_PREFIX}{flag.upper()})")
@@ -153,11 +137,15 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         if not models:
             raise UsageError("--models must be auto or a comma-separated list of model names")
     try:
+        password = read_password(args.etcd_password, args.etcd_password_file)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
         etcd = EtcdSettings(
             endpoints=parse_endpoints(args.etcd),
             timeout=_number(args.etcd_timeout, "--etcd-timeout", 5.0, low=0.1, high=300),
             cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
-            user=args.etcd_user, password=_password(args),
+            user=args.etcd_user, password=password,
         )  # fmt: skip
     except ValueError as exc:
         raise UsageError(f"--etcd: {exc}") from None

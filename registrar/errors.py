@@ -1,4 +1,4 @@
-"""The registrar's errors. etcd errors stay ``proxy.etcd``'s; httpx errors become ``ProbeError`` in probe.py.
+"""The registrar's errors. etcd errors stay ``fleet.etcd``'s; httpx errors become ``ProbeError`` in probe.py.
 
 ::
 

@@ -12,25 +12,12 @@ from typing import Any
 
 import httpx
 
-from proxy.httpclient import stateless_client
-from proxy.loadwatch import RUNNING, WAITING, read_node_load
+from fleet.httpclient import stateless_client
+from fleet.vllm import RUNNING, WAITING, parse_models, read_node_load
 from registrar.errors import NodeUnreachable, ProbeError
 
 LOAD_METRICS = (RUNNING, WAITING)
 """Gauges whose sum is the node's load; drained means this sum is 0."""
-
-
-def parse_models(body: Any) -> tuple[str, ...]:
-    """Model ids from an OpenAI list (``{"data": [{"id": ...}, ...]}``), in order, without duplicates."""
-    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
-        raise ProbeError("/v1/models is not an OpenAI model list")
-    ids: list[str] = []
-    for entry in body["data"]:
-        model_id = entry.get("id") if isinstance(entry, dict) else None
-        if not isinstance(model_id, str) or not model_id:
-            raise ProbeError("/v1/models has an entry without an id")
-        ids.append(model_id)
-    return tuple(dict.fromkeys(ids))
 
 
 def parse_load(text: str) -> int:
@@ -84,7 +71,10 @@ class NodeProbe:
 
     async def models(self) -> tuple[str, ...]:
         """Served model ids (base models and loaded LoRA adapters) from GET /v1/models."""
-        return parse_models(await self._get_json("/v1/models"))
+        try:
+            return parse_models(await self._get_json("/v1/models"))
+        except ValueError as exc:
+            raise ProbeError(str(exc)) from None
 
     async def version(self) -> str:
         """The server's version from GET /version (vLLM has it), or "" when it does not tell."""

@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.etcd import EtcdAuthError, EtcdClient, EtcdError
-from proxy.pb.node_record_pb2 import NodeRecord
-from proxy.records import Status
+from fleet.etcd import EtcdAuthError, EtcdClient, EtcdError
+from fleet.pb.node_record_pb2 import NodeRecord
+from fleet.records import Status
 from registrar.errors import NodeUnreachable, ProbeError, StartupError
 from registrar.lease import Registration
 from registrar.probe import NodeProbe

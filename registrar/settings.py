@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from proxy.etcd import EtcdSettings
-from proxy.records import KeyLayout, Role
+from fleet.etcd import EtcdSettings
+from fleet.records import KeyLayout, Role
 
 MIN_TTL = 2
 """etcd itself rounds shorter leases up; below 5 s a short etcd hiccup can cost the key (it comes back)."""

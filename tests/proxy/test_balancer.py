@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from fleet.records import Node, Role
 from proxy.balancer import ConsistentHash, LeastLoad, PowerOfTwo, RoundRobin, make_policy
 from proxy.pool import NodeState
-from proxy.records import Node, Role
 
 
 def nodes(count: int) -> list[NodeState]:

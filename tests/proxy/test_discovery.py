@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from fleet.etcd import EtcdClient, EtcdSettings
+from fleet.records import KeyLayout, Node, Role
 from proxy.discovery import Discovery
-from proxy.etcd import EtcdClient, EtcdSettings
 from proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
-from proxy.records import KeyLayout, Node, Role
 from tests.support.aio import eventually
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer

@@ -133,7 +133,7 @@ etcd_values = st.one_of(
 
 
 def test_generated_garbage_in_etcd_leaves_exactly_the_valid_nodes(etcd: EtcdServer, logs_dir: Path) -> None:
-    from proxy.records import InvalidRecord, KeyLayout
+    from fleet.records import InvalidRecord, KeyLayout
 
     examples: dict[bytes, bytes] = {}
 
@@ -155,7 +155,7 @@ def test_generated_garbage_in_etcd_leaves_exactly_the_valid_nodes(etcd: EtcdServ
     try:
         import asyncio
 
-        from proxy.etcd import EtcdClient, EtcdSettings
+        from fleet.etcd import EtcdClient, EtcdSettings
 
         async def write_all() -> None:
             async with EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,))) as client:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from fleet.records import Node, Role
 from proxy.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
 from proxy.balancer import CacheAware
 from proxy.pool import NodeState
-from proxy.records import Node, Role
 
 PREAMBLE = "You are a helpful assistant. Follow the house rules below. " * 200  # ~12 KB, shared by every session
 

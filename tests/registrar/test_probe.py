@@ -1,11 +1,11 @@
-"""What the registrar reads from a vLLM node's answers: load from /metrics, model ids from /v1/models."""
+"""What the registrar reads from a vLLM node's /metrics: its load."""
 
 from __future__ import annotations
 
 import pytest
 
 from registrar.errors import ProbeError
-from registrar.probe import parse_load, parse_models
+from registrar.probe import parse_load
 
 # As vLLM v1 exposes them: one gauge per engine and model, next to metrics the registrar ignores.
 METRICS = """\
@@ -35,14 +35,3 @@ def test_idle_node_has_load_zero() -> None:
 def test_metrics_without_the_load_gauges_are_an_error(text: str) -> None:
     with pytest.raises(ProbeError):
         parse_load(text)
-
-
-def test_models_are_the_ids_of_the_openai_list_in_order() -> None:
-    body = {"object": "list", "data": [{"id": "base"}, {"id": "lora-1"}, {"id": "base"}]}
-    assert parse_models(body) == ("base", "lora-1")
-
-
-@pytest.mark.parametrize("body", [[], {"data": "x"}, {"data": [{"object": "model"}]}, {"data": [{"id": ""}]}])
-def test_a_body_that_is_not_a_model_list_is_an_error(body: object) -> None:
-    with pytest.raises(ProbeError):
-        parse_models(body)

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from google.protobuf import json_format
 
-from proxy.pb import node_record_pb2
+from fleet.pb import node_record_pb2
 
 MAX_VALUE_BYTES = 64 * 1024
 """A record larger than this is refused: real ones are a few hundred bytes."""
@@ -166,9 +166,7 @@ class KeyLayout:
         role, node_id = self.parse_key(key_text)
         if not value.strip():
             host, port = split_host_port(node_id)
-            return Node(
-                node_id=node_id, role=role, url=f"http://{host}:{port}", key=key_text, learn_models=True
-            )
+            return Node(node_id=node_id, role=role, url=f"http://{host}:{port}", key=key_text, learn_models=True)
         record = decode_record(value)
         if record.role and record.role != role.value:
             raise InvalidRecord(f"record role {record.role!r} does not match key role {role.value!r}")

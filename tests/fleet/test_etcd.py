@@ -1,4 +1,4 @@
-"""proxy.etcd against a real etcd: KV, leases, watch, failure translation, endpoints and auth."""
+"""fleet.etcd against a real etcd: KV, leases, watch, failure translation, endpoints and auth."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy import etcd as etcd_module
-from proxy.etcd import (
+from fleet.etcd import (
     Compacted,
     EtcdAuthError,
     EtcdClient,
@@ -21,6 +20,7 @@ from proxy.etcd import (
     WatchBatch,
     parse_endpoints,
 )
+from proxy import etcd as etcd_module
 from tests.support.aio import eventually, holds
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer
@@ -327,7 +327,7 @@ async def test_auth_token_is_sent_and_renewed_when_etcd_rejects_it(
     async with EtcdClient(settings) as client:
         await client.put("/a/k", "v")
         await asyncio.sleep(3.0)  # the behaviour under test: the token expires while the client is idle
-        with caplog.at_level("INFO", logger="proxy.etcd"):
+        with caplog.at_level("INFO", logger="fleet.etcd"):
             assert await client.put("/a/k", "w") > 0
         assert "authenticating again" in caplog.text
         assert "s3cret" not in caplog.text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.records import InvalidRecord, KeyLayout, Role, Source, Status
+from fleet.records import InvalidRecord, KeyLayout, Role, Source, Status
 
 LAYOUT = KeyLayout()
 

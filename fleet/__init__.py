@@ -1,0 +1,3 @@
+"""The fleet's contract, shared by vllm-proxy and vllm-registrar: the etcd client (``etcd``), the key layout and
+node record (``records``, ``pb``), what a vLLM node says about itself (``vllm``: models, load) and the HTTP client
+both use to ask it (``httpclient``)."""

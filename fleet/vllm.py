@@ -1,0 +1,53 @@
+"""What a vLLM node says about itself, read alike by the proxy and the registrar: the models it serves
+(``GET /v1/models``) and its load (``GET /metrics``).
+
+The load is read with a regular expression rather than a full Prometheus parser: vLLM's page is large and
+scraped often.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+_GAUGES = re.compile(
+    rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M
+)
+
+
+def read_node_load(text: bytes) -> tuple[int, int, float] | None:
+    """(running, waiting, KV-cache usage) from a vLLM /metrics page, summed over engines (usage: the highest);
+    None when the page has none of them."""
+    running = waiting = 0.0
+    usage = 0.0
+    seen = False
+    for name, value in _GAUGES.findall(text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if number != number:  # NaN
+            continue
+        seen = True
+        if name == b"num_requests_running":
+            running += number
+        elif name == b"num_requests_waiting":
+            waiting += number
+        else:
+            usage = max(usage, number)
+    return (int(running), int(waiting), usage) if seen else None
+
+
+def parse_models(body: Any) -> tuple[str, ...]:
+    """Model ids from an OpenAI list (``{"data": [{"id": ...}, ...]}``), in order, without duplicates; raises
+    ``ValueError`` naming what is wrong when the body is not such a list."""
+    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        raise ValueError("/v1/models is not an OpenAI model list")
+    ids: list[str] = []
+    for entry in body["data"]:
+        model_id = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError("/v1/models has an entry without an id")
+        ids.append(model_id)
+    return tuple(dict.fromkeys(ids))

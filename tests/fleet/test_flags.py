@@ -1,0 +1,52 @@
+"""Both programs read flags and environment alike: the command line wins, lists replace, one password source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.cli import parse_settings
+from registrar.cli import parse_command_line
+from registrar.errors import UsageError
+
+REGISTRAR = ["--etcd", "http://127.0.0.1:2379", "--role", "mixed", "--url", "http://127.0.0.1:8001"]
+PROXY = ["--etcd", "http://127.0.0.1:2379"]
+
+
+def test_a_flag_on_the_command_line_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PROXY_CLUSTER", "from-env")
+    monkeypatch.setenv("VLLM_REGISTRAR_CLUSTER", "from-env")
+    assert parse_settings([*PROXY, "--cluster", "from-flag"]).cluster == "from-flag"
+    assert parse_command_line([*REGISTRAR, "--cluster=from-flag"])[0].cluster == "from-flag"
+    assert parse_settings(PROXY).cluster == "from-env"
+    assert parse_command_line(REGISTRAR)[0].cluster == "from-env"
+
+
+def test_a_list_flag_on_the_command_line_replaces_the_environments_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_PROXY_MODEL", "env-a,env-b")
+    monkeypatch.setenv("VLLM_REGISTRAR_LABEL", "zone=env,rack=env")
+    assert parse_settings(PROXY).models == ("env-a", "env-b")
+    assert parse_settings([*PROXY, "--model", "flag-a"]).models == ("flag-a",)
+    assert parse_command_line(REGISTRAR)[0].labels == {"zone": "env", "rack": "env"}
+    assert parse_command_line([*REGISTRAR, "--label", "zone=flag"])[0].labels == {"zone": "flag"}
+
+
+def test_the_etcd_password_comes_from_one_source_in_both_programs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("from-file\n")
+    both_file = ["--etcd-user", "u", "--etcd-password-file", str(secret)]
+    proxy = parse_settings([*PROXY, *both_file])
+    assert proxy.etcd is not None and proxy.etcd.password == "from-file"
+    assert parse_command_line([*REGISTRAR, *both_file])[0].etcd.password == "from-file"
+
+    monkeypatch.setenv("VLLM_PROXY_ETCD_PASSWORD", "from-env")
+    monkeypatch.setenv("VLLM_REGISTRAR_ETCD_PASSWORD", "from-env")
+    with pytest.raises(SystemExit) as exited:
+        parse_settings([*PROXY, *both_file])
+    assert exited.value.code == 2
+    assert "not both" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="not both"):
+        parse_command_line([*REGISTRAR, *both_file])
