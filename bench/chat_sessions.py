@@ -84,9 +84,11 @@ def start_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[Server], S
     # --output-len = max_tokens: every answer has exactly max_tokens tokens, so both sides stream the same.
     node_flags = ["--model", MODEL, "--ttft", str(args.ttft), "--itl", str(args.itl), "--output-len",
                   str(args.max_tokens), "--log-level", "warning"]  # fmt: skip
-    nodes = [fleet.start(f"node{i}", "sim", node_flags, "/health") for i in range(args.nodes)]
+    nodes = [fleet.start(f"node{i}", "vllm_etcd_proxy.sim", node_flags, "/health") for i in range(args.nodes)]
     pool = [f"127.0.0.1:{n.port}" for n in nodes]
-    proxy = fleet.start("proxy", "proxy", ["--mixed", *pool, "--model", MODEL, "--log-level", "warning"], "/ready")
+    proxy = fleet.start(
+        "proxy", "vllm_etcd_proxy.proxy", ["--mixed", *pool, "--model", MODEL, "--log-level", "warning"], "/ready"
+    )
     fleet.wait_ready()
     return nodes, proxy
 
@@ -142,7 +144,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "summary": summary,
         "ok": summary["ok"],
     }  # fmt: skip
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

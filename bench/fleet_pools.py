@@ -53,13 +53,15 @@ def measure(nodes: int, concurrency: int, total: int) -> dict[str, float]:
     try:
         ports = [free_port() for _ in range(nodes)]
         for port in ports:
-            procs.append(subprocess.Popen([sys.executable, "-m", "sim", "--host", HOST, "--port", str(port),
-                                           "--ttft", "0", "--itl", "0", "--log-level", "warning"]))  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, "-m", "vllm_etcd_proxy.sim", "--host", HOST,
+                                           "--port", str(port), "--ttft", "0", "--itl", "0",
+                                           "--log-level", "warning"]))  # fmt: skip
         for port in ports:
             _wait(f"http://{HOST}:{port}/health")
         proxy_port = free_port()
-        argv = [sys.executable, "-m", "proxy", "--host", HOST, "--port", str(proxy_port), "--model", "sim-model",
-                "--log-level", "warning", *(a for p in ports for a in ("--mixed", f"{HOST}:{p}"))]  # fmt: skip
+        argv = [sys.executable, "-m", "vllm_etcd_proxy.proxy", "--host", HOST, "--port", str(proxy_port),
+                "--model", "sim-model", "--log-level", "warning",
+                *(a for p in ports for a in ("--mixed", f"{HOST}:{p}"))]  # fmt: skip
         proxy = subprocess.Popen(argv)
         procs.append(proxy)
         _wait(f"http://{HOST}:{proxy_port}/ready")

@@ -98,16 +98,16 @@ def start_fleet(fleet: Fleet, args: argparse.Namespace) -> dict[str, Topology]:
     node_flags = ["--model", MODEL, "--ttft", "0", "--itl", str(args.itl), "--max-num-seqs", "1024",
                   "--log-level", "warning"]  # fmt: skip
     proxy_flags = ["--model", MODEL, "--log-level", "warning"]
-    node = fleet.start("node", "sim", node_flags, "/health")
-    proxy = fleet.start("proxy", "proxy", ["--mixed", f"127.0.0.1:{node.port}", *proxy_flags], "/ready")
+    node = fleet.start("node", "vllm_etcd_proxy.sim", node_flags, "/health")
+    proxy = fleet.start("proxy", "vllm_etcd_proxy.proxy", ["--mixed", f"127.0.0.1:{node.port}", *proxy_flags], "/ready")
     path = "/v1/completions"
     topologies = {"mixed": Topology(direct=Target(url=node.url + path), proxied=Target(url=proxy.url + path),
                                     proxy=proxy, nodes=(node,))}  # fmt: skip
     if not args.no_disagg:
-        prefill = fleet.start("prefill", "sim", ["--role", "prefill", *node_flags], "/health")
-        decode = fleet.start("decode", "sim", ["--role", "decode", *node_flags], "/health")
-        pd_proxy = fleet.start("proxy-disagg", "proxy", ["--prefill", f"127.0.0.1:{prefill.port}", "--decode",
-                               f"127.0.0.1:{decode.port}", *proxy_flags], "/ready")  # fmt: skip
+        prefill = fleet.start("prefill", "vllm_etcd_proxy.sim", ["--role", "prefill", *node_flags], "/health")
+        decode = fleet.start("decode", "vllm_etcd_proxy.sim", ["--role", "decode", *node_flags], "/health")
+        pd_flags = ["--prefill", f"127.0.0.1:{prefill.port}", "--decode", f"127.0.0.1:{decode.port}", *proxy_flags]
+        pd_proxy = fleet.start("proxy-disagg", "vllm_etcd_proxy.proxy", pd_flags, "/ready")
         topologies["disagg"] = Topology(
             direct=Target(url=decode.url + path, prefill_url=prefill.url + path),
             proxied=Target(url=pd_proxy.url + path), proxy=pd_proxy, nodes=(prefill, decode),
@@ -201,8 +201,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "headline": headline(summaries),
         "ok": all_succeeded(summaries),
     }  # fmt: skip
-
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

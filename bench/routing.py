@@ -239,7 +239,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     return report_and_exit_status(lambda: run(args), render, as_json=args.json, save=args.save)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from bench.procs import HOST, Fleet, Server, die_with_parent, free_port
-from fleet.vllm import read_node_load
+from vllm_etcd_proxy.fleet.vllm import read_node_load
 
 MODEL = "sim-model"
 DEFAULT_VLLM_ROUTER = Path.home() / ".cache/vllm-proxy-bench/venv/bin/vllm-router"
@@ -157,7 +157,9 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
     def _start(self) -> None:
         fleet, front = self._fleet, self._frontend
         for spec in self.specs:
-            self.nodes.append(fleet.start(spec.name, "sim", node_flags(spec, **self._node_args), "/health"))
+            self.nodes.append(
+                fleet.start(spec.name, "vllm_etcd_proxy.sim", node_flags(spec, **self._node_args), "/health")
+            )
         fleet.wait_ready()
         by_role = {role: [f"{HOST}:{n.port}" for n, s in zip(self.nodes, self.specs, strict=True) if s.role == role]
                    for role in ("mixed", "prefill", "decode")}  # fmt: skip
@@ -168,7 +170,7 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
                 pools = [arg for role, hosts in by_role.items() if hosts for arg in (f"--{role}", *hosts)]
                 args = [*pools, "--model", MODEL, "--log-level", "warning", "--scrape-load", "0.25",
                         "--policy", front.policy, *front.extra]  # fmt: skip
-                server = fleet.start(f"proxy{i}", "proxy", args, "/ready")
+                server = fleet.start(f"proxy{i}", "vllm_etcd_proxy.proxy", args, "/ready")
                 ready.append((server, "/ready"))
             else:
                 port, metrics_port = free_port(), free_port()

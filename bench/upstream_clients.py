@@ -38,7 +38,7 @@ Fetch = Callable[[bytes], Awaitable[int]]
 
 
 async def _transport_client(url: str, concurrency: int) -> tuple[Fetch, Callable[[], Awaitable[None]]]:
-    from proxy.transport import HttpTransport, Origin, UpstreamRequest
+    from vllm_etcd_proxy.proxy.transport import HttpTransport, Origin, UpstreamRequest
 
     transport = HttpTransport(connect_timeout=5, max_connections=concurrency * 2)
     origin = Origin.of(url)
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [n for n in a.only.split(",") if n]
     two = len(os.sched_getaffinity(0)) >= 2
     with Fleet() as fleet:
-        node = fleet.start("node", "sim", ["--ttft", "0", "--itl", "0", "--max-num-seqs", "1024",
+        node = fleet.start("node", "vllm_etcd_proxy.sim", ["--ttft", "0", "--itl", "0", "--max-num-seqs", "1024",
                                            "--log-level", "warning"], "/health")  # fmt: skip
         fleet.wait_ready()
         if two:
@@ -196,12 +196,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.json:
         print(json.dumps({"config": {**args, "rounds": a.rounds, "pinned": two}, "clients": rows}, indent=2))
         return
-    print(f"{a.requests} requests and {a.streams} streams of {a.tokens} tokens per round, concurrency "
-          f"{a.concurrency}, {a.rounds} rounds (medians); client {'on its own CPU' if two else 'unpinned'}")
+    print(
+        f"{a.requests} requests and {a.streams} streams of {a.tokens} tokens per round, concurrency "
+        f"{a.concurrency}, {a.rounds} rounds (medians); client {'on its own CPU' if two else 'unpinned'}"
+    )
     print(f"{'client':<10} {'CPU us/request':>15} {'CPU us/token':>13} {'req/s':>8} {'streams/s':>10}")
     for row in rows:
-        print(f"{row['client']:<10} {row['cpu_us_per_request']:>15.0f} {row['cpu_us_per_token']:>13.1f} "
-              f"{row['requests_per_s']:>8.0f} {row['streams_per_s']:>10.1f}")
+        print(
+            f"{row['client']:<10} {row['cpu_us_per_request']:>15.0f} {row['cpu_us_per_token']:>13.1f} "
+            f"{row['requests_per_s']:>8.0f} {row['streams_per_s']:>10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 import grpc.aio  # type: ignore[import-untyped,unused-ignore]
 from google.protobuf.message import Message
 
-from fleet.pb import etcd_rpc_pb2 as pb
+from vllm_etcd_proxy.fleet.pb import etcd_rpc_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from google.protobuf import json_format
 
-from fleet.pb import node_record_pb2
+from vllm_etcd_proxy.fleet.pb import node_record_pb2
 
 MAX_VALUE_BYTES = 64 * 1024
 """A record larger than this is refused: real ones are a few hundred bytes."""

@@ -1,4 +1,4 @@
-from proxy.cli import main
+from vllm_etcd_proxy.proxy.cli import main
 
 if __name__ == "__main__":
     main()

@@ -19,15 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleet.etcd import EtcdClient, EtcdError
-from fleet.pb import node_record_pb2
-from fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, encode_record, split_host_port
-from proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
-from proxy.guard import bearer_token
-from proxy.metrics import ProxyMetrics
-from proxy.parsing import BodyLimits, parse_object, read_body
-from proxy.pool import Pool
-from proxy.prober import fetch_models
+from vllm_etcd_proxy.fleet.etcd import EtcdClient, EtcdError
+from vllm_etcd_proxy.fleet.pb import node_record_pb2
+from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, encode_record, split_host_port
+from vllm_etcd_proxy.proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
+from vllm_etcd_proxy.proxy.guard import bearer_token
+from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.parsing import BodyLimits, parse_object, read_body
+from vllm_etcd_proxy.proxy.pool import Pool
+from vllm_etcd_proxy.proxy.prober import fetch_models
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ from typing import Any, NamedTuple
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fleet.records import Role
-from proxy.affinity import Hints, PrefixIndex, route_hints
-from proxy.disagg import Disaggregator
-from proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
-from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
-from proxy.guard import ClientKeys, ConcurrencyLimit
-from proxy.metrics import ProxyMetrics
-from proxy.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
-from proxy.pool import NodeState, Pool
-from proxy.relay import Exchange, Relay, ResumePlan, send_error
-from proxy.resume import not_resumable
-from proxy.settings import ProxySettings
+from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.proxy.affinity import Hints, PrefixIndex, route_hints
+from vllm_etcd_proxy.proxy.disagg import Disaggregator
+from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
+from vllm_etcd_proxy.proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
+from vllm_etcd_proxy.proxy.guard import ClientKeys, ConcurrencyLimit
+from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
+from vllm_etcd_proxy.proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.relay import Exchange, Relay, ResumePlan, send_error
+from vllm_etcd_proxy.proxy.resume import not_resumable
+from vllm_etcd_proxy.proxy.settings import ProxySettings
 
 KNOWN_ROUTES = frozenset(
     ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/responses",

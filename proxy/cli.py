@@ -19,15 +19,22 @@ from types import FrameType
 
 import uvicorn
 
-from fleet.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdSettings, EtcdUnavailable, parse_endpoints
-from fleet.flags import environment_defaults, read_password
-from fleet.records import KeyLayout
-from proxy.app import build_app
-from proxy.balancer import DEFAULT_POLICIES, POLICIES
-from proxy.ejection import EjectionSettings
-from proxy.info import Lifecycle
-from proxy.settings import ProxySettings, TimeoutSettings
-from proxy.workers import run_workers
+from vllm_etcd_proxy.fleet.etcd import (
+    EtcdAuthError,
+    EtcdClient,
+    EtcdError,
+    EtcdSettings,
+    EtcdUnavailable,
+    parse_endpoints,
+)
+from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
+from vllm_etcd_proxy.fleet.records import KeyLayout
+from vllm_etcd_proxy.proxy.app import build_app
+from vllm_etcd_proxy.proxy.balancer import DEFAULT_POLICIES, POLICIES
+from vllm_etcd_proxy.proxy.ejection import EjectionSettings
+from vllm_etcd_proxy.proxy.info import Lifecycle
+from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
+from vllm_etcd_proxy.proxy.workers import run_workers
 
 ENV_PREFIX = "VLLM_PROXY_"
 WORKER_READY_WAIT = 15.0

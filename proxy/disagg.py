@@ -18,11 +18,11 @@ from typing import Any
 
 import orjson
 
-from fleet.records import Role
-from proxy.errors import UpstreamFailed, UpstreamTimeout
-from proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
-from proxy.pool import NodeState
-from proxy.settings import TimeoutSettings
+from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
+from vllm_etcd_proxy.proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from vllm_etcd_proxy.proxy.pool import NodeState
+from vllm_etcd_proxy.proxy.settings import TimeoutSettings
 
 log = logging.getLogger(__name__)
 

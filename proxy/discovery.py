@@ -15,9 +15,9 @@ import logging
 import random
 from collections.abc import Callable
 
-from fleet.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
-from fleet.records import InvalidRecord, KeyLayout, Node
-from proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
+from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node
+from vllm_etcd_proxy.proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
 
 log = logging.getLogger(__name__)
 

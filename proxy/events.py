@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleet.records import Node
+from vllm_etcd_proxy.fleet.records import Node
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,14 +15,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from fleet.records import Role
-from proxy.balancer import Policy
-from proxy.ejection import Ejector
-from proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
-from proxy.metrics import ProxyMetrics
-from proxy.pool import NodeState, Pool
-from proxy.settings import ProxySettings
-from proxy.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
+from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.proxy.balancer import Policy
+from vllm_etcd_proxy.proxy.ejection import Ejector
+from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
+from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.errors import HeadersTooLarge, ServiceUnavailable, Unauthorized, render
+from vllm_etcd_proxy.proxy.errors import HeadersTooLarge, ServiceUnavailable, Unauthorized, render
 
 
 def bearer_token(authorization: str | bytes | None) -> str | None:

@@ -11,9 +11,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleet.records import Role
-from proxy.events import DiscoveryState
-from proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.proxy.events import DiscoveryState
+from vllm_etcd_proxy.proxy.pool import NodeState, Pool
 
 
 def worker_view(state: NodeState) -> dict[str, Any]:

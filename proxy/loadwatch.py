@@ -14,8 +14,8 @@ import time
 
 import httpx
 
-from fleet.vllm import read_node_load
-from proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.fleet.vllm import read_node_load
+from vllm_etcd_proxy.proxy.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
 

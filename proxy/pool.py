@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from fleet.records import Node, Role, Status
-from proxy.events import PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.fleet.records import Node, Role, Status
+from vllm_etcd_proxy.proxy.events import PoolEvent, Remove, Snapshot, Upsert
 
 
 @dataclass(eq=False)

@@ -13,8 +13,8 @@ import time
 
 import httpx
 
-from fleet.vllm import parse_models
-from proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.fleet.vllm import parse_models
+from vllm_etcd_proxy.proxy.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,19 @@ from typing import Any, NamedTuple
 
 from starlette.types import Message, Receive, Send
 
-from proxy.errors import ProxyError, UpstreamFailed, render, sse_error_event
-from proxy.forwarder import ErrorAnswer, Upstream, client_headers
-from proxy.metrics import ProxyMetrics
-from proxy.pool import NodeState
-from proxy.resume import DONE, NodeErrorEvent, Splice, StreamLog, continuation_body, error_event_at, progress
+from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed, render, sse_error_event
+from vllm_etcd_proxy.proxy.forwarder import ErrorAnswer, Upstream, client_headers
+from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.pool import NodeState
+from vllm_etcd_proxy.proxy.resume import (
+    DONE,
+    NodeErrorEvent,
+    Splice,
+    StreamLog,
+    continuation_body,
+    error_event_at,
+    progress,
+)
 
 log = logging.getLogger(__name__)
 

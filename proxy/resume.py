@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from proxy.errors import UpstreamFailed
+from vllm_etcd_proxy.proxy.errors import UpstreamFailed
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 DONE = b"data: [DONE]\n\n"

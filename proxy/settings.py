@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
-from fleet.etcd import EtcdSettings
-from proxy.ejection import EjectionSettings
+from vllm_etcd_proxy.fleet.etcd import EtcdSettings
+from vllm_etcd_proxy.proxy.ejection import EjectionSettings
 
 
 @dataclass(frozen=True, kw_only=True)

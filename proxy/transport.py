@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from proxy.errors import UpstreamFailed, UpstreamTimeout
+from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
 
 KEEPALIVE_SECONDS = 4.0
 """Idle connections older than this are closed, not reused: vLLM's server (uvicorn) closes them after 5 s."""

@@ -29,7 +29,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proxy.settings import ProxySettings
+    from vllm_etcd_proxy.proxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def worker_main(argv: Sequence[str]) -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    from proxy.cli import configure_logging, parse_settings, serve
+    from vllm_etcd_proxy.proxy.cli import configure_logging, parse_settings, serve
 
     settings = parse_settings(argv)
     configure_logging(settings.log_level)

@@ -1,5 +1,5 @@
 """``python -m registrar``: the same as the ``vllm-registrar`` command."""
 
-from registrar.cli import main
+from vllm_etcd_proxy.registrar.cli import main
 
 raise SystemExit(main())

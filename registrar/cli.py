@@ -17,12 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from fleet.etcd import EtcdSettings, parse_endpoints
-from fleet.flags import environment_defaults, read_password
-from fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
-from registrar.errors import StartupError, UsageError
-from registrar.runner import Runner
-from registrar.settings import MAX_TTL, MIN_TTL, RegistrarSettings
+from vllm_etcd_proxy.fleet.etcd import EtcdSettings, parse_endpoints
+from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
+from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
+from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
+from vllm_etcd_proxy.registrar.runner import Runner
+from vllm_etcd_proxy.registrar.settings import MAX_TTL, MIN_TTL, RegistrarSettings
 
 PROG = "vllm-registrar"
 ENV_PREFIX = "VLLM_REGISTRAR_"

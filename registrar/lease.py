@@ -19,9 +19,9 @@ import asyncio
 import logging
 import random
 
-from fleet.etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, EventType, LeaseLost
-from fleet.pb.node_record_pb2 import NodeRecord
-from fleet.records import Status, encode_record
+from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, EventType, LeaseLost
+from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
+from vllm_etcd_proxy.fleet.records import Status, encode_record
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from fleet.httpclient import stateless_client
-from fleet.vllm import RUNNING, WAITING, parse_models, read_node_load
-from registrar.errors import NodeUnreachable, ProbeError
+from vllm_etcd_proxy.fleet.httpclient import stateless_client
+from vllm_etcd_proxy.fleet.vllm import RUNNING, WAITING, parse_models, read_node_load
+from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError
 
 LOAD_METRICS = (RUNNING, WAITING)
 """Gauges whose sum is the node's load; drained means this sum is 0."""

@@ -17,13 +17,13 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from fleet.etcd import EtcdAuthError, EtcdClient, EtcdError
-from fleet.pb.node_record_pb2 import NodeRecord
-from fleet.records import Status
-from registrar.errors import NodeUnreachable, ProbeError, StartupError
-from registrar.lease import Registration
-from registrar.probe import NodeProbe
-from registrar.settings import RegistrarSettings
+from vllm_etcd_proxy.fleet.etcd import EtcdAuthError, EtcdClient, EtcdError
+from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
+from vllm_etcd_proxy.fleet.records import Status
+from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError, StartupError
+from vllm_etcd_proxy.registrar.lease import Registration
+from vllm_etcd_proxy.registrar.probe import NodeProbe
+from vllm_etcd_proxy.registrar.settings import RegistrarSettings
 
 logger = logging.getLogger(__name__)
 

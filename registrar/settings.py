@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fleet.etcd import EtcdSettings
-from fleet.records import KeyLayout, Role
+from vllm_etcd_proxy.fleet.etcd import EtcdSettings
+from vllm_etcd_proxy.fleet.records import KeyLayout, Role
 
 MIN_TTL = 2
 """etcd itself rounds shorter leases up; below 5 s a short etcd hiccup can cost the key (it comes back)."""

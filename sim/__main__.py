@@ -1,3 +1,3 @@
-from sim.cli import main
+from vllm_etcd_proxy.sim.cli import main
 
 main()

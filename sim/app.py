@@ -20,15 +20,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from sim import disagg, protocol, tokens
-from sim.engine import Engine, Job, Record
-from sim.errors import ApiError, bad_request
-from sim.metrics import make_registry
-from sim.middleware import ApiKey, ClientGone, NodeHeader, until_disconnect
-from sim.protocol import GenRequest, Kind
-from sim.settings import SimSettings
-from sim.sse import CLIENT_CLOSED, SSEResponse
-from sim.wire import DONE_EVENT, Wire, model_list, usage
+from vllm_etcd_proxy.sim import disagg, protocol, tokens
+from vllm_etcd_proxy.sim.engine import Engine, Job, Record
+from vllm_etcd_proxy.sim.errors import ApiError, bad_request
+from vllm_etcd_proxy.sim.metrics import make_registry
+from vllm_etcd_proxy.sim.middleware import ApiKey, ClientGone, NodeHeader, until_disconnect
+from vllm_etcd_proxy.sim.protocol import GenRequest, Kind
+from vllm_etcd_proxy.sim.settings import SimSettings
+from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
+from vllm_etcd_proxy.sim.wire import DONE_EVENT, Wire, model_list, usage
 
 
 def _engine(request: Request) -> Engine:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import uvicorn
 
-from sim.app import create_app
-from sim.settings import Role, SimSettings
+from vllm_etcd_proxy.sim.app import create_app
+from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
 SHUTDOWN_TIMEOUT = 3
 """Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""

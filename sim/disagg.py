@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sim.engine import Engine, Record
-from sim.settings import Role, SimSettings
-from sim.wire import Wire
+from vllm_etcd_proxy.sim.engine import Engine, Record
+from vllm_etcd_proxy.sim.settings import Role, SimSettings
+from vllm_etcd_proxy.sim.wire import Wire
 
 PULL_KEYS = ("remote_engine_id", "remote_host", "remote_port")
 """What a decode node needs to pull KV (NIXL also wants remote_block_ids, empty for a prompt under one block)."""

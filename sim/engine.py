@@ -18,10 +18,10 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sim.errors import ApiError
-from sim.knobs import Knobs
-from sim.prefix_cache import PrefixCache
-from sim.settings import SimSettings
+from vllm_etcd_proxy.sim.errors import ApiError
+from vllm_etcd_proxy.sim.knobs import Knobs
+from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
+from vllm_etcd_proxy.sim.settings import SimSettings
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sim.settings import SimSettings
+from vllm_etcd_proxy.sim.settings import SimSettings
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sim.engine import Engine
+from vllm_etcd_proxy.sim.engine import Engine
 
 LABELS = ["model_name", "engine"]
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sim import tokens
-from sim.errors import ApiError, bad_request
+from vllm_etcd_proxy.sim import tokens
+from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 
 BOTH_PROMPT_FLAGS = "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 """ChatCompletionRequest.check_generation_prompt, when both are sent as true."""

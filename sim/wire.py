@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sim.errors import ApiError
-from sim.protocol import GenRequest, Kind
-from sim.tokens import decode
+from vllm_etcd_proxy.sim.errors import ApiError
+from vllm_etcd_proxy.sim.protocol import GenRequest, Kind
+from vllm_etcd_proxy.sim.tokens import decode
 
 DONE_EVENT = "data: [DONE]\n\n"
 

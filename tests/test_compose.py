@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.cli import build_parser as proxy_parser
-from proxy.cli import settings_from_args as proxy_settings
-from registrar.cli import parse_command_line as registrar_command_line
-from registrar.errors import UsageError
-from sim.cli import parse_settings as sim_settings
+from vllm_etcd_proxy.proxy.cli import build_parser as proxy_parser
+from vllm_etcd_proxy.proxy.cli import settings_from_args as proxy_settings
+from vllm_etcd_proxy.registrar.cli import parse_command_line as registrar_command_line
+from vllm_etcd_proxy.registrar.errors import UsageError
+from vllm_etcd_proxy.sim.cli import parse_settings as sim_settings
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"

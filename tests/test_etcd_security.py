@@ -40,7 +40,7 @@ def auth_etcd(tmp_path: Path, logs_dir: Path) -> Iterator[AuthEtcd]:
 
 def proxy_exits(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run a proxy that is expected to refuse to start."""
-    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(free_port()), *args]
+    argv = [sys.executable, "-m", "vllm_etcd_proxy.proxy", "--host", "127.0.0.1", "--port", str(free_port()), *args]
     full_env = {"PATH": "/usr/bin:/bin", **(env or {})}
     return subprocess.run(argv, capture_output=True, text=True, timeout=30, env=full_env)
 

@@ -143,7 +143,8 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
     assert resumes_counted(fleet.replicas, "failed") == resumes_counted(fleet.replicas, "exhausted") == 0
     # A full answer cut off by the kill was sent whole to another node, and nothing reached the client before.
     assert must_retry and all(by_id[i].node not in (victim.node_id, None) for i in must_retry), describe(
-        [by_id[i] for i in must_retry])
+        [by_id[i] for i in must_retry]
+    )
     # The burst's other requests went through the usual flow and agree with the direct requests: that makes the
     # healthy node's answer the right reference (for a P/D fleet, decode alone gives what prefill + decode give).
     assert len(set(burst.futures) - must_resume - must_retry) >= 4
@@ -200,7 +201,8 @@ def test_node_hanging_mid_stream_has_its_streams_resumed_after_the_idle_timeout_
     held = sorted(i for i in resumed if on_victim[i]["state"] != "cancelled")
     assert not held, f"resumed streams still held open on the hung node: {held}"
     assert must_retry and all(by_id[i].node not in (victim.node_id, None) for i in must_retry), describe(
-        [by_id[i] for i in must_retry])
+        [by_id[i] for i in must_retry]
+    )
     wrong = differing((by_id[i] for i in sorted(checked)), expected)
     assert not wrong, f"{len(wrong)} answers differ from a healthy node's ({logs_dir}):\n" + "\n".join(wrong[:4])
 

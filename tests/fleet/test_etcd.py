@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from fleet.etcd import (
+from tests.support.aio import eventually, holds
+from tests.support.etcd_cluster import EtcdCluster
+from tests.support.etcd_server import EtcdServer
+from tests.support.procs import HOST, free_port
+from tests.support.secure_etcd import AuthEtcd, TlsEtcd
+from vllm_etcd_proxy.fleet import etcd as etcd_module
+from vllm_etcd_proxy.fleet.etcd import (
     Compacted,
     EtcdAuthError,
     EtcdClient,
@@ -20,12 +26,6 @@ from fleet.etcd import (
     WatchBatch,
     parse_endpoints,
 )
-from proxy import etcd as etcd_module
-from tests.support.aio import eventually, holds
-from tests.support.etcd_cluster import EtcdCluster
-from tests.support.etcd_server import EtcdServer
-from tests.support.procs import HOST, free_port
-from tests.support.secure_etcd import AuthEtcd, TlsEtcd
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +327,7 @@ async def test_auth_token_is_sent_and_renewed_when_etcd_rejects_it(
     async with EtcdClient(settings) as client:
         await client.put("/a/k", "v")
         await asyncio.sleep(3.0)  # the behaviour under test: the token expires while the client is idle
-        with caplog.at_level("INFO", logger="fleet.etcd"):
+        with caplog.at_level("INFO", logger="vllm_etcd_proxy.fleet.etcd"):
             assert await client.put("/a/k", "w") > 0
         assert "authenticating again" in caplog.text
         assert "s3cret" not in caplog.text

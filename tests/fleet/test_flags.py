@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import parse_settings
-from registrar.cli import parse_command_line
-from registrar.errors import UsageError
+from vllm_etcd_proxy.proxy.cli import parse_settings
+from vllm_etcd_proxy.registrar.cli import parse_command_line
+from vllm_etcd_proxy.registrar.errors import UsageError
 
 REGISTRAR = ["--etcd", "http://127.0.0.1:2379", "--role", "mixed", "--url", "http://127.0.0.1:8001"]
 PROXY = ["--etcd", "http://127.0.0.1:2379"]

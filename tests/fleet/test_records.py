@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.records import InvalidRecord, KeyLayout, Role, Source, Status
+from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, Source, Status
 
 LAYOUT = KeyLayout()
 
@@ -46,8 +46,10 @@ def test_ipv6_node_id_with_empty_value() -> None:
 
 
 def test_full_record_with_unknown_fields() -> None:
-    value = (b'{"url": "https://node-a.example:8443/", "role": "prefill", "models": ["m1", "m2", "m1"],'
-             b' "status": "draining", "labels": {"zone": "a"}, "future_field": {"x": 1}, "source": "admin"}')
+    value = (
+        b'{"url": "https://node-a.example:8443/", "role": "prefill", "models": ["m1", "m2", "m1"],'
+        b' "status": "draining", "labels": {"zone": "a"}, "future_field": {"x": 1}, "source": "admin"}'
+    )
     node = LAYOUT.parse(b"/vllm/default/prefill/node-a", value)
     assert node.url == "https://node-a.example:8443"
     assert node.models == ("m1", "m2")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.vllm import parse_models, read_node_load
+from vllm_etcd_proxy.fleet.vllm import parse_models, read_node_load
 
 
 def test_models_are_the_ids_of_the_openai_list_in_order() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from fleet.records import Node, Role
-from proxy.balancer import ConsistentHash, LeastLoad, PowerOfTwo, RoundRobin, make_policy
-from proxy.pool import NodeState
+from vllm_etcd_proxy.fleet.records import Node, Role
+from vllm_etcd_proxy.proxy.balancer import ConsistentHash, LeastLoad, PowerOfTwo, RoundRobin, make_policy
+from vllm_etcd_proxy.proxy.pool import NodeState
 
 
 def nodes(count: int) -> list[NodeState]:

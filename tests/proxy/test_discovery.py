@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fleet.etcd import EtcdClient, EtcdSettings
-from fleet.records import KeyLayout, Node, Role
-from proxy.discovery import Discovery
-from proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
 from tests.support.aio import eventually
 from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer
 from tests.support.tcp_relay import TcpRelay
+from vllm_etcd_proxy.fleet.etcd import EtcdClient, EtcdSettings
+from vllm_etcd_proxy.fleet.records import KeyLayout, Node, Role
+from vllm_etcd_proxy.proxy.discovery import Discovery
+from vllm_etcd_proxy.proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
 
 LAYOUT = KeyLayout()
 PREFILL = LAYOUT.key(Role.PREFILL, "127.0.0.1:8100")

@@ -35,8 +35,15 @@ bodies = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode()),
     st.fixed_dictionaries(
         {},
-        optional={"model": field_values, "stream": field_values, "max_tokens": field_values, "prompt": field_values,
-                  "messages": field_values, "stream_options": field_values, "n": field_values},  # fmt: skip
+        optional={
+            "model": field_values,
+            "stream": field_values,
+            "max_tokens": field_values,
+            "prompt": field_values,
+            "messages": field_values,
+            "stream_options": field_values,
+            "n": field_values,
+        },  # fmt: skip
     ).map(lambda v: json.dumps(v).encode()),
     st.integers(1, 3000).map(lambda depth: b"[" * depth + b"]" * depth),
     st.integers(1, 3000).map(lambda depth: b'{"a":' * depth + b"1" + b"}" * depth),
@@ -116,8 +123,12 @@ def test_wrong_field_types_are_400_naming_the_field_and_reach_no_node(
 
 VALID_ROLES = ["prefill", "decode", "mixed"]
 etcd_keys = st.one_of(
-    st.builds(lambda r, h, p: f"/vllm/default/{r}/{h}:{p}".encode(), st.sampled_from(VALID_ROLES + ["gpu", ""]),
-              st.sampled_from(["10.0.0.1", "node-a", "[::1]", "bad host", ""]), st.integers(0, 70000)),  # fmt: skip
+    st.builds(
+        lambda r, h, p: f"/vllm/default/{r}/{h}:{p}".encode(),
+        st.sampled_from(VALID_ROLES + ["gpu", ""]),
+        st.sampled_from(["10.0.0.1", "node-a", "[::1]", "bad host", ""]),
+        st.integers(0, 70000),
+    ),  # fmt: skip
     st.binary(max_size=30).map(lambda b: b"/vllm/default/decode/" + b),
 )
 etcd_values = st.one_of(
@@ -125,15 +136,20 @@ etcd_values = st.one_of(
     st.binary(max_size=100),
     json_values.map(lambda v: json.dumps(v).encode()),
     st.fixed_dictionaries(
-        {}, optional={"url": st.sampled_from(["http://10.0.0.9:80", "ftp://x:1", "http://u:p@h:1", "https://h:1/p", 5]),
-                      "role": st.sampled_from(VALID_ROLES + ["x", 3]), "models": st.sampled_from([["m"], "m", [1]]),
-                      "status": st.sampled_from(["serving", "draining", "asleep"]), "labels": json_values},
+        {},
+        optional={
+            "url": st.sampled_from(["http://10.0.0.9:80", "ftp://x:1", "http://u:p@h:1", "https://h:1/p", 5]),
+            "role": st.sampled_from(VALID_ROLES + ["x", 3]),
+            "models": st.sampled_from([["m"], "m", [1]]),
+            "status": st.sampled_from(["serving", "draining", "asleep"]),
+            "labels": json_values,
+        },
     ).map(lambda v: json.dumps(v).encode()),  # fmt: skip
 )
 
 
 def test_generated_garbage_in_etcd_leaves_exactly_the_valid_nodes(etcd: EtcdServer, logs_dir: Path) -> None:
-    from fleet.records import InvalidRecord, KeyLayout
+    from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout
 
     examples: dict[bytes, bytes] = {}
 
@@ -155,7 +171,7 @@ def test_generated_garbage_in_etcd_leaves_exactly_the_valid_nodes(etcd: EtcdServ
     try:
         import asyncio
 
-        from fleet.etcd import EtcdClient, EtcdSettings
+        from vllm_etcd_proxy.fleet.etcd import EtcdClient, EtcdSettings
 
         async def write_all() -> None:
             async with EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,))) as client:

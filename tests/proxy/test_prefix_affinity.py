@@ -6,17 +6,19 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from fleet.records import Node, Role
-from proxy.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
-from proxy.balancer import CacheAware
-from proxy.pool import NodeState
+from vllm_etcd_proxy.fleet.records import Node, Role
+from vllm_etcd_proxy.proxy.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
+from vllm_etcd_proxy.proxy.balancer import CacheAware
+from vllm_etcd_proxy.proxy.pool import NodeState
 
 PREAMBLE = "You are a helpful assistant. Follow the house rules below. " * 200  # ~12 KB, shared by every session
 
 
 def chat(session: int, turns: int, preamble: str = PREAMBLE) -> dict[str, Any]:
-    messages = [{"role": "system", "content": preamble},
-                {"role": "user", "content": f"session {session}: tell me about topic {session * 7919} " * 3}]
+    messages = [
+        {"role": "system", "content": preamble},
+        {"role": "user", "content": f"session {session}: tell me about topic {session * 7919} " * 3},
+    ]
     for turn in range(1, turns):
         messages += [{"role": "assistant", "content": f"answer {turn} of session {session} " * 5},
                      {"role": "user", "content": f"and then {turn}?"}]  # fmt: skip

@@ -161,7 +161,10 @@ def test_openai_client_works_streaming_and_not(proxy: ProxyProc) -> None:
         pieces = [
             c.choices[0].delta.content or ""
             for c in client.chat.completions.create(
-                model=MODEL, messages=CHAT["messages"], max_tokens=4, stream=True  # type: ignore[arg-type]
+                model=MODEL,
+                messages=CHAT["messages"],
+                max_tokens=4,
+                stream=True,  # type: ignore[arg-type]
             )
             if c.choices
         ]

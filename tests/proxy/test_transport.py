@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from proxy.errors import UpstreamFailed, UpstreamTimeout
-from proxy.transport import HttpTransport, Origin, UpstreamRequest
 from tests.support.procs import HOST
+from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
+from vllm_etcd_proxy.proxy.transport import HttpTransport, Origin, UpstreamRequest
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[bool]]
 """Answers one request (its head and body given); returns False to close the connection afterwards."""
@@ -77,6 +77,7 @@ def ok(body: bytes = b"hello", extra: bytes = b"") -> Handler:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body))
         await writer.drain()
         return b"connection: close" not in extra
+
     return handle
 
 

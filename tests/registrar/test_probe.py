@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from registrar.errors import ProbeError
-from registrar.probe import parse_load
+from vllm_etcd_proxy.registrar.errors import ProbeError
+from vllm_etcd_proxy.registrar.probe import parse_load
 
 # As vLLM v1 exposes them: one gauge per engine and model, next to metrics the registrar ignores.
 METRICS = """\

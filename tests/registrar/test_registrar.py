@@ -264,7 +264,7 @@ def test_wrapper_mode_drains_before_stopping_the_child_and_exits_with_its_code(
 ) -> None:
     port = free_port()
     url = f"http://{HOST}:{port}"
-    child = python_module("sim", "--host", HOST, "--port", str(port), "--itl", "0.05")
+    child = python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port), "--itl", "0.05")
     registrar = registrars(url, command=tuple(child))
     key = decode_key(f"{HOST}:{port}")
     wait_for_key(etcd, key, timeout=20, models=["sim-model"])
@@ -286,7 +286,7 @@ def test_child_exiting_on_its_own_is_deregistered_at_once_and_its_code_passed_on
     etcd: EtcdServer, registrars: StartRegistrar
 ) -> None:
     port = free_port()
-    child = python_module("sim", "--host", HOST, "--port", str(port))
+    child = python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port))
     registrar = registrars(f"http://{HOST}:{port}", ttl=30, command=tuple(child))
     key = decode_key(f"{HOST}:{port}")
     wait_for_key(etcd, key, timeout=20)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sim.prefix_cache import PrefixCache, block_hashes
+from vllm_etcd_proxy.sim.prefix_cache import PrefixCache, block_hashes
 
 BS = 4
 

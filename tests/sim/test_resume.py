@@ -117,9 +117,7 @@ async def test_completion_resumed_by_token_ids_on_another_node_ends_the_same(
         assert rest["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"]) + k
 
 
-async def test_completion_resumed_by_text_ends_the_same(
-    nodes: Nodes, client: httpx.AsyncClient
-) -> None:
+async def test_completion_resumed_by_text_ends_the_same(nodes: Nodes, client: httpx.AsyncClient) -> None:
     first, second = nodes
     payload = {"model": MODEL, "prompt": PROMPT, "stream": True, "return_token_ids": True}
     chunks = events((await client.post(f"{first.url}/v1/completions", json=payload)).text)
@@ -130,9 +128,7 @@ async def test_completion_resumed_by_text_ends_the_same(
         assert rest["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_chat_resumed_with_continue_final_message_ends_the_same(
-    nodes: Nodes, client: httpx.AsyncClient
-) -> None:
+async def test_chat_resumed_with_continue_final_message_ends_the_same(nodes: Nodes, client: httpx.AsyncClient) -> None:
     first, second = nodes
     payload = {"model": MODEL, "messages": CHAT, "stream": True, "return_token_ids": True}
     role, *chunks = events((await client.post(f"{first.url}/v1/chat/completions", json=payload)).text)
@@ -152,9 +148,7 @@ async def test_chat_resumed_with_continue_final_message_ends_the_same(
 # ---- the chat template's flags, as vLLM checks them ----
 
 
-async def test_tokenize_renders_chats_like_the_completions_do(
-    nodes: Nodes, client: httpx.AsyncClient
-) -> None:
+async def test_tokenize_renders_chats_like_the_completions_do(nodes: Nodes, client: httpx.AsyncClient) -> None:
     node = nodes[0]
     opened = (await post(client, node, "/tokenize", {"messages": CHAT}))["tokens"]
     closed = await post(client, node, "/tokenize", {"messages": CHAT, "add_generation_prompt": False,
@@ -190,9 +184,7 @@ async def test_without_a_generation_prompt_the_answer_takes_the_last_messages_ro
     assert (await post(client, nodes[0], "/v1/chat/completions", body))["choices"][0]["message"]["role"] == "user"
 
 
-async def test_token_ids_outside_the_vocabulary_are_rejected(
-    nodes: Nodes, client: httpx.AsyncClient
-) -> None:
+async def test_token_ids_outside_the_vocabulary_are_rejected(nodes: Nodes, client: httpx.AsyncClient) -> None:
     for path, body in (("/v1/completions", {"prompt": [1, 40000]}), ("/detokenize", {"tokens": [3, -1]})):
         response = await client.post(f"{nodes[0].url}{path}", json={"model": MODEL, **body})
         assert response.status_code == 400, path

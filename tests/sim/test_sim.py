@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from sim.cli import parse_settings
-from sim.settings import Role
 from tests.support.procs import wait_until
 from tests.support.sim_node import SimNode
+from vllm_etcd_proxy.sim.cli import parse_settings
+from vllm_etcd_proxy.sim.settings import Role
 
 MODEL = "sim-model"
 PREFILL_KV = {
@@ -383,8 +383,15 @@ async def test_non_streamed_disconnect_cancels_and_frees_the_slot(sim_logs: Path
 
 
 def test_every_flag_reads_its_environment_variable() -> None:
-    env = {"VLLM_SIM_TTFT": "0.5", "VLLM_SIM_MODEL": "a, b", "VLLM_SIM_HANG": "true", "VLLM_SIM_ROLE": "decode",
-           "VLLM_SIM_PREFILL_PER_TOKEN": "0.001", "VLLM_SIM_CACHE_BLOCKS": "0", "VLLM_SIM_HANG_AFTER_TOKENS": "4"}
+    env = {
+        "VLLM_SIM_TTFT": "0.5",
+        "VLLM_SIM_MODEL": "a, b",
+        "VLLM_SIM_HANG": "true",
+        "VLLM_SIM_ROLE": "decode",
+        "VLLM_SIM_PREFILL_PER_TOKEN": "0.001",
+        "VLLM_SIM_CACHE_BLOCKS": "0",
+        "VLLM_SIM_HANG_AFTER_TOKENS": "4",
+    }
     settings = parse_settings(["--port", "9000", "--max-num-seqs", "2", "--block-size", "32"], env)
     assert (settings.ttft, settings.models, settings.hang, settings.role) == (0.5, ("a", "b"), True, Role.DECODE)
     assert (settings.port, settings.max_num_seqs, settings.name) == (9000, 2, "127.0.0.1:9000")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim import tokens
-from sim.tokens import complete, decode, encode, render_chat
+from vllm_etcd_proxy.sim import tokens
+from vllm_etcd_proxy.sim.tokens import complete, decode, encode, render_chat
 
 ids = st.integers(0, tokens.VOCAB_SIZE - 1)
 prompts = st.lists(ids, min_size=1, max_size=60)
@@ -53,7 +53,9 @@ def test_chat_template_shape() -> None:
     )
     assert render_chat(chat, add_generation_prompt=False, continue_final_message=False)[-1] == tokens.END
     assert render_chat([("critic", "")], add_generation_prompt=False, continue_final_message=False) == [
-        tokens.OTHER_ROLE, *encode("critic"), tokens.END
+        tokens.OTHER_ROLE,
+        *encode("critic"),
+        tokens.END,
     ]
 
 

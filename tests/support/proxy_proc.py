@@ -19,7 +19,7 @@ class ProxyProc:
         full_env = dict(env or {})
         if admin_key:
             full_env["ADMIN_API_KEY"] = admin_key
-        argv = python_module("proxy", "--host", HOST, "--port", str(self.port), *args)
+        argv = python_module("vllm_etcd_proxy.proxy", "--host", HOST, "--port", str(self.port), *args)
         self.proc = Proc(name, argv, log_dir, env=full_env)
         try:
             wait_until(lambda: http_ok(f"{self.url}/health"), 20, f"{name} /health")

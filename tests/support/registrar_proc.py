@@ -74,7 +74,17 @@ class Registrar(Proc):
         env: dict[str, str] | None = None,
     ):
         argv = python_module(
-            "registrar", "--etcd", etcd.endpoint, "--role", role, "--url", url, "--ttl", str(ttl), *FAST, *flags
+            "vllm_etcd_proxy.registrar",
+            "--etcd",
+            etcd.endpoint,
+            "--role",
+            role,
+            "--url",
+            url,
+            "--ttl",
+            str(ttl),
+            *FAST,
+            *flags,
         )
         super().__init__(name, [*argv, *(("--", *command) if command else ())], log_dir, env=env)
 
@@ -95,5 +105,9 @@ class Registrar(Proc):
 def run_registrar(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """Run ``python -m registrar ARGS`` to completion, capturing stdout and stderr apart."""
     return subprocess.run(
-        [sys.executable, "-m", "registrar", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "vllm_etcd_proxy.registrar", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )

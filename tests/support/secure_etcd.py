@@ -17,7 +17,6 @@ class AuthEtcd(EtcdServer):
         return [*super().argv(), "--auth-token-ttl", "1"]
 
 
-
 def openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=30)
 

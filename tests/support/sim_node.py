@@ -52,7 +52,7 @@ class SimNode:
                     args += [flag, str(item)]
             else:
                 args += [flag, str(value)]
-        return python_module("sim", *args)
+        return python_module("vllm_etcd_proxy.sim", *args)
 
     def start(self, timeout: float = 15.0, wait_healthy: bool = True) -> SimNode:
         """Start the process; wait until /health is 200 (or, with ``wait_healthy=False``, until it answers)."""

@@ -135,17 +135,26 @@ class LocalStack:
         port = free_port()
         url = f"http://{HOST}:{port}"
         sim = python_module(
-            "sim", "--host", HOST, "--port", str(port), "--role", role, "--model", self.model, *self.sim_flags
+            "vllm_etcd_proxy.sim",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--role",
+            role,
+            "--model",
+            self.model,
+            *self.sim_flags,
         )
         argv = python_module(
-            "registrar", "--etcd", self.etcd_endpoint, "--role", role, "--url", url, "--models", "auto",
-            "--label", f"name={name}", *self.registrar_flags, "--", *sim,
+            "vllm_etcd_proxy.registrar", "--etcd", self.etcd_endpoint, "--role", role, "--url", url,
+            "--models", "auto", "--label", f"name={name}", *self.registrar_flags, "--", *sim,
         )  # fmt: skip
         return StackNode(role=role, port=port, proc=Proc(name, argv, self.log_dir))
 
     def _start_proxy(self, name: str) -> StackProxy:
         port = free_port()
-        argv = python_module("proxy", "--host", HOST, "--port", str(port), "--etcd", self.etcd_endpoint,
+        argv = python_module("vllm_etcd_proxy.proxy", "--host", HOST, "--port", str(port), "--etcd", self.etcd_endpoint,
                              *self.proxy_flags)  # fmt: skip
         return StackProxy(port=port, proc=Proc(name, argv, self.log_dir))
 

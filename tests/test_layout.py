@@ -1,0 +1,51 @@
+"""The layout README's Architecture section promises: one installed name, the registrar apart from the proxy."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("fleet", "proxy", "registrar", "sim")
+NAMESPACE = "vllm_etcd_proxy"
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def _sources(*folders: str) -> list[Path]:
+    return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_nothing_imports_a_package_by_its_short_name() -> None:
+    short = {
+        f"{p.relative_to(ROOT)}: {name}"
+        for p in _sources(*PACKAGES, "tests", "bench")
+        for name in _imports(p)
+        if name.split(".")[0] in PACKAGES
+    }
+    assert not short, f"import these as {NAMESPACE}.<package>: {sorted(short)}"
+
+
+def test_the_registrar_and_the_shared_package_import_nothing_of_the_proxy() -> None:
+    for folder, forbidden in (("registrar", ("proxy", "sim")), ("fleet", ("proxy", "registrar", "sim"))):
+        wrong = {
+            f"{p.relative_to(ROOT)}: {name}"
+            for p in _sources(folder)
+            for name in _imports(p)
+            if any(name.startswith(f"{NAMESPACE}.{other}") for other in forbidden)
+        }
+        assert not wrong, f"{folder}/ must not import {forbidden}: {sorted(wrong)}"
+
+
+def test_the_installed_name_links_every_package() -> None:
+    for package in PACKAGES:
+        link = ROOT / NAMESPACE / package
+        assert link.is_symlink() and link.resolve() == ROOT / package, f"{link} must link ../{package}"
