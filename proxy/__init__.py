@@ -1,5 +1,8 @@
 """vllm-proxy: an OpenAI-compatible front door for a vLLM fleet discovered through etcd.
 
-Data flows etcd.py -> discovery.py -> pool.py -> balancer.py -> forwarder.py/disagg.py -> app.py.
-records.py holds the etcd key layout and node record shared with the registrar.
+A request's path, folder by folder: ``discovery`` (etcd watch -> events -> pool; the nodes' models, load and
+health) -> ``routing`` (a policy picks a node, by prefix affinity or load) -> ``serving`` (the OpenAI routes,
+the forwarder and its transport to the node, the prefill -> decode exchange, the relay back to the client).
+``operations`` holds what operators use (admin API, status routes, metrics, worker processes); ``app.py`` wires
+it all in the lifespan, ``cli.py`` turns flags into ``settings.py``, ``errors.py`` is the one error tree.
 """

@@ -23,23 +23,23 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm_etcd_proxy.fleet.etcd import EtcdClient
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
-from vllm_etcd_proxy.proxy.admin import AdminRoutes
-from vllm_etcd_proxy.proxy.api import OpenAIRoutes
-from vllm_etcd_proxy.proxy.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
-from vllm_etcd_proxy.proxy.discovery import Discovery
-from vllm_etcd_proxy.proxy.ejection import Ejector
+from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
+from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
+from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
+from vllm_etcd_proxy.proxy.discovery.pool import Pool
+from vllm_etcd_proxy.proxy.discovery.prober import ModelProber
+from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
-from vllm_etcd_proxy.proxy.events import DiscoveryState
-from vllm_etcd_proxy.proxy.forwarder import Forwarder
-from vllm_etcd_proxy.proxy.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
-from vllm_etcd_proxy.proxy.info import InfoRoutes, Lifecycle, not_ready_reason
-from vllm_etcd_proxy.proxy.loadwatch import LoadWatcher
-from vllm_etcd_proxy.proxy.metrics import PoolCollector, ProxyMetrics
-from vllm_etcd_proxy.proxy.pool import Pool
-from vllm_etcd_proxy.proxy.prober import ModelProber
+from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
+from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
+from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
+from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
+from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
+from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
+from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
+from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
+from vllm_etcd_proxy.proxy.serving.transport import HttpTransport, Transport
 from vllm_etcd_proxy.proxy.settings import ProxySettings
-from vllm_etcd_proxy.proxy.transport import HttpTransport, Transport
-from vllm_etcd_proxy.proxy.workers import METRICS_DIR_ENV
 
 log = logging.getLogger(__name__)
 

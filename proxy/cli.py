@@ -30,11 +30,11 @@ from vllm_etcd_proxy.fleet.etcd import (
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import KeyLayout
 from vllm_etcd_proxy.proxy.app import build_app
-from vllm_etcd_proxy.proxy.balancer import DEFAULT_POLICIES, POLICIES
-from vllm_etcd_proxy.proxy.ejection import EjectionSettings
-from vllm_etcd_proxy.proxy.info import Lifecycle
+from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
+from vllm_etcd_proxy.proxy.operations.info import Lifecycle
+from vllm_etcd_proxy.proxy.operations.workers import run_workers
+from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICIES
 from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
-from vllm_etcd_proxy.proxy.workers import run_workers
 
 ENV_PREFIX = "VLLM_PROXY_"
 WORKER_READY_WAIT = 15.0

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
 from vllm_etcd_proxy.fleet.etcd import EtcdSettings
-from vllm_etcd_proxy.proxy.ejection import EjectionSettings
+from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,8 +6,8 @@ import random
 from collections import Counter
 
 from vllm_etcd_proxy.fleet.records import Node, Role
-from vllm_etcd_proxy.proxy.balancer import ConsistentHash, LeastLoad, PowerOfTwo, RoundRobin, make_policy
-from vllm_etcd_proxy.proxy.pool import NodeState
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.balancer import ConsistentHash, LeastLoad, PowerOfTwo, RoundRobin, make_policy
 
 
 def nodes(count: int) -> list[NodeState]:

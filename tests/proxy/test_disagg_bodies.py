@@ -6,7 +6,7 @@ import json
 
 import orjson
 
-from vllm_etcd_proxy.proxy.disagg import decode_body, prefill_body
+from vllm_etcd_proxy.proxy.serving.disagg import decode_body, prefill_body
 
 CLIENT = {
     "model": "m",

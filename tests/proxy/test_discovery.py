@@ -16,8 +16,8 @@ from tests.support.etcd_server import EtcdServer
 from tests.support.tcp_relay import TcpRelay
 from vllm_etcd_proxy.fleet.etcd import EtcdClient, EtcdSettings
 from vllm_etcd_proxy.fleet.records import KeyLayout, Node, Role
-from vllm_etcd_proxy.proxy.discovery import Discovery
-from vllm_etcd_proxy.proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 
 LAYOUT = KeyLayout()
 PREFILL = LAYOUT.key(Role.PREFILL, "127.0.0.1:8100")

@@ -7,9 +7,9 @@ from collections import Counter
 from typing import Any
 
 from vllm_etcd_proxy.fleet.records import Node, Role
-from vllm_etcd_proxy.proxy.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
-from vllm_etcd_proxy.proxy.balancer import CacheAware
-from vllm_etcd_proxy.proxy.pool import NodeState
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
+from vllm_etcd_proxy.proxy.routing.balancer import CacheAware
 
 PREAMBLE = "You are a helpful assistant. Follow the house rules below. " * 200  # ~12 KB, shared by every session
 

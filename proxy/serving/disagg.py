@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 
 from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
-from vllm_etcd_proxy.proxy.pool import NodeState
+from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
 from vllm_etcd_proxy.proxy.settings import TimeoutSettings
 
 log = logging.getLogger(__name__)

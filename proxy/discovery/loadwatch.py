@@ -15,7 +15,7 @@ import time
 import httpx
 
 from vllm_etcd_proxy.fleet.vllm import read_node_load
-from vllm_etcd_proxy.proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from starlette.routing import Route
 from vllm_etcd_proxy.fleet.etcd import EtcdClient, EtcdError
 from vllm_etcd_proxy.fleet.pb import node_record_pb2
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, encode_record, split_host_port
+from vllm_etcd_proxy.proxy.discovery.pool import Pool
+from vllm_etcd_proxy.proxy.discovery.prober import fetch_models
 from vllm_etcd_proxy.proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
-from vllm_etcd_proxy.proxy.guard import bearer_token
-from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
-from vllm_etcd_proxy.proxy.parsing import BodyLimits, parse_object, read_body
-from vllm_etcd_proxy.proxy.pool import Pool
-from vllm_etcd_proxy.proxy.prober import fetch_models
+from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.serving.guard import bearer_token
+from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, parse_object, read_body
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import random
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from vllm_etcd_proxy.proxy.pool import NodeState
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 
 
 class Policy(Protocol):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from vllm_etcd_proxy.proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import orjson
 from starlette.types import Receive, Scope
 
 from vllm_etcd_proxy.proxy.errors import BadRequest, PayloadTooLarge, RequestTimeout
-from vllm_etcd_proxy.proxy.forwarder import NOT_FORWARDED
+from vllm_etcd_proxy.proxy.serving.forwarder import NOT_FORWARDED
 
 _REQUEST_ID = re.compile(rb"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_MODEL_NAME = 512

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vllm_etcd_proxy.fleet.records import Node, Role, Status
-from vllm_etcd_proxy.proxy.events import PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, Upsert
 
 
 @dataclass(eq=False)

@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vllm_etcd_proxy.fleet.records import Role
-from vllm_etcd_proxy.proxy.events import DiscoveryState
-from vllm_etcd_proxy.proxy.pool import Pool
+from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
+from vllm_etcd_proxy.proxy.discovery.pool import Pool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)

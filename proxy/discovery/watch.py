@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node
-from vllm_etcd_proxy.proxy.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
 
 log = logging.getLogger(__name__)
 

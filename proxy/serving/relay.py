@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 from starlette.types import Message, Receive, Send
 
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed, render, sse_error_event
-from vllm_etcd_proxy.proxy.forwarder import ErrorAnswer, Upstream, client_headers
-from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
-from vllm_etcd_proxy.proxy.pool import NodeState
-from vllm_etcd_proxy.proxy.resume import (
+from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream, client_headers
+from vllm_etcd_proxy.proxy.serving.resume import (
     DONE,
     NodeErrorEvent,
     Splice,

@@ -18,16 +18,16 @@ import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_etcd_proxy.fleet.records import Role
-from vllm_etcd_proxy.proxy.affinity import Hints, PrefixIndex, route_hints
-from vllm_etcd_proxy.proxy.disagg import Disaggregator
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
-from vllm_etcd_proxy.proxy.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
-from vllm_etcd_proxy.proxy.guard import ClientKeys, ConcurrencyLimit
-from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
-from vllm_etcd_proxy.proxy.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
-from vllm_etcd_proxy.proxy.pool import NodeState, Pool
-from vllm_etcd_proxy.proxy.relay import Exchange, Relay, ResumePlan, send_error
-from vllm_etcd_proxy.proxy.resume import not_resumable
+from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
+from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
+from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
+from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit
+from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
+from vllm_etcd_proxy.proxy.serving.relay import Exchange, Relay, ResumePlan, send_error
+from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 
 KNOWN_ROUTES = frozenset(

@@ -12,8 +12,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from vllm_etcd_proxy.fleet.records import Role
-from vllm_etcd_proxy.proxy.events import DiscoveryState
-from vllm_etcd_proxy.proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 
 def worker_view(state: NodeState) -> dict[str, Any]:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from vllm_etcd_proxy.fleet.records import Role
-from vllm_etcd_proxy.proxy.balancer import Policy
-from vllm_etcd_proxy.proxy.ejection import Ejector
+from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.metrics import ProxyMetrics
-from vllm_etcd_proxy.proxy.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.routing.balancer import Policy
+from vllm_etcd_proxy.proxy.serving.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 from vllm_etcd_proxy.proxy.settings import ProxySettings
-from vllm_etcd_proxy.proxy.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
