@@ -49,3 +49,25 @@ def test_the_installed_name_links_every_package() -> None:
     for package in PACKAGES:
         link = ROOT / NAMESPACE / package
         assert link.is_symlink() and link.resolve() == ROOT / package, f"{link} must link ../{package}"
+
+
+def test_node_state_is_written_by_the_pool_alone() -> None:
+    from dataclasses import fields
+
+    from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+
+    names = {f.name for f in fields(NodeState)}
+    writes = set()
+    for path in _sources("proxy"):
+        if path.name == "pool.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AugAssign) else []  # fmt: skip
+            for target in targets:
+                for item in target.elts if isinstance(target, ast.Tuple) else [target]:
+                    if isinstance(item, ast.Attribute) and item.attr in names and not (
+                        isinstance(item.value, ast.Name) and item.value.id == "self"
+                    ):
+                        writes.add(f"{path.relative_to(ROOT)}:{item.lineno} .{item.attr}")
+    assert not writes, f"write NodeState through Pool's methods: {sorted(writes)}"

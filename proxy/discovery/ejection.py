@@ -47,19 +47,20 @@ class Ejector:
         self._reinstated_at: dict[int, float] = {}
 
     def success(self, state: NodeState) -> None:
-        state.failures = 0
-        state.probation = False
+        if state.failures or state.probation:
+            self._pool.set_health(state, failures=0, probation=False)
 
     def failure(self, state: NodeState, reason: str) -> None:
-        state.failures += 1
-        if state.ejected or not self._settings.after or state.failures < self._settings.after:
+        failures = state.failures + 1
+        if state.ejected or not self._settings.after or failures < self._settings.after:
+            self._pool.set_health(state, failures=failures, probation=state.probation)
             return
         now = time.monotonic()
-        if now - self._reinstated_at.get(id(state), 0.0) > HEALTHY_SPELL:
-            state.ejections = 0
-        state.ejections += 1
-        backoff = self._backoff(state.ejections)
-        state.probe_at = now + backoff
+        healthy_spell = now - self._reinstated_at.get(id(state), 0.0) > HEALTHY_SPELL
+        ejections = 1 if healthy_spell else state.ejections + 1
+        backoff = self._backoff(ejections)
+        self._pool.set_health(state, failures=failures, probation=state.probation, ejections=ejections,
+                              probe_at=now + backoff)  # fmt: skip
         self._pool.set_ejected(state, True)
         self._wake.set()
         log.warning("node ejected node=%s role=%s failures=%d reason=%s probe_in=%gs", state.node.node_id,
@@ -93,11 +94,11 @@ class Ejector:
         if healthy:
             # Probation: /health can be fine while requests hang, so the node gets one request at a time and
             # one more failure ejects it again.
-            state.failures = max(0, self._settings.after - 1)
-            state.probation = True
+            self._pool.set_health(state, failures=max(0, self._settings.after - 1), probation=True)
             self._reinstated_at[id(state)] = time.monotonic()
             self._pool.set_ejected(state, False)
             log.info("node reinstated node=%s role=%s", state.node.node_id, state.node.role.value)
             return
-        state.ejections += 1
-        state.probe_at = time.monotonic() + self._backoff(state.ejections)
+        ejections = state.ejections + 1
+        self._pool.set_health(state, failures=state.failures, probation=state.probation, ejections=ejections,
+                              probe_at=time.monotonic() + self._backoff(ejections))  # fmt: skip

@@ -49,4 +49,4 @@ class LoadWatcher:
             except httpx.HTTPError as exc:
                 log.debug("load scrape failed node=%s error=%s", state.node.node_id, type(exc).__name__)
                 return
-        state.node_running, state.node_waiting, state.kv_usage = parsed if parsed else (0, 0, 0.0)
+        self._pool.set_load(state, *(parsed or (0, 0, 0.0)))

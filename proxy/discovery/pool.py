@@ -1,7 +1,9 @@
 """Nodes by role and model, with the per-replica state routing needs (in-flight count, learned models).
 
-The pool only applies events (from discovery, the static flags and the admin API) and answers queries;
-it does no I/O. Entries are keyed by their etcd key, or ``{source}:{role}/{node_id}`` for in-memory nodes.
+The pool applies events (from discovery, the static flags and the admin API), answers queries, and is the one
+writer of every ``NodeState``: the forwarder, the load watcher, the model prober and the ejector report what
+they saw through its methods, and the balancer only reads. It does no I/O. Entries are keyed by their etcd key,
+or ``{source}:{role}/{node_id}`` for in-memory nodes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, 
 
 @dataclass(eq=False)
 class NodeState:
-    """One node as this replica sees it. Mutable; the balancer reads it, the forwarder updates counters."""
+    """One node as this replica sees it. Written only through ``Pool``'s methods; the balancer reads it (within
+    one synchronous ``choose`` call, so every field it reads is from the same moment)."""
 
     node: Node
     learned_models: tuple[str, ...] = ()
@@ -58,6 +61,11 @@ class NodeState:
     @property
     def routable(self) -> bool:
         return self.node.status is Status.SERVING and self.models_known and not self.ejected
+
+    @property
+    def admits(self) -> bool:
+        """Takes a request now: not ejected, and on probation only while it has none in flight."""
+        return not self.ejected and not (self.probation and self.in_flight)
 
 
 def entry_key(node: Node) -> str:
@@ -130,6 +138,30 @@ class Pool:
             if self._entries.get(state.entry_key) is state:
                 self._changed()
 
+    # -- what others saw of a node (the one place NodeState is written) ---------------------------------------
+
+    def request_started(self, state: NodeState) -> None:
+        state.in_flight += 1
+
+    def request_ended(self, state: NodeState) -> None:
+        state.in_flight -= 1
+        state.served += 1
+
+    def set_load(self, state: NodeState, running: int, waiting: int, kv_usage: float) -> None:
+        """The node's own figures from its /metrics (every replica's requests, not only ours)."""
+        state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
+
+    def set_health(
+        self, state: NodeState, *, failures: int, probation: bool, ejections: int | None = None,
+        probe_at: float | None = None,
+    ) -> None:  # fmt: skip
+        """The ejector's counters (its rules decide the values; see ejection.py)."""
+        state.failures, state.probation = failures, probation
+        if ejections is not None:
+            state.ejections = ejections
+        if probe_at is not None:
+            state.probe_at = probe_at
+
     def set_ejected(self, state: NodeState, ejected: bool) -> None:
         """Take a node out of this replica's routing, or put it back."""
         if state.ejected != ejected:
@@ -165,7 +197,7 @@ class Pool:
                     for name in state.models:
                         index.setdefault((state.node.role, name), []).append(state)
             self._index = {k: tuple(v) for k, v in index.items()}
-        return [s for s in self._index.get((role, model), ()) if not s.ejected and not (s.probation and s.in_flight)]
+        return [s for s in self._index.get((role, model), ()) if s.admits]
 
     def models(self) -> list[str]:
         """Models served by at least one routable node, sorted."""

@@ -186,7 +186,7 @@ class Forwarder:
         timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
         request = UpstreamRequest(origin=self._origin(node.url), path=leg.path, head=leg.head, body=leg.body,
                                   timeout=timeout, idle_timeout=self._idle)  # fmt: skip
-        state.in_flight += 1
+        self._pool.request_started(state)
         try:
             response = await self._transport.send(request)
         except UpstreamTimeout as exc:
@@ -218,8 +218,7 @@ class Forwarder:
         return Upstream(self, state, role, response)
 
     def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
-        state.in_flight -= 1
-        state.served += 1
+        self._pool.request_ended(state)
         self._metrics.upstream_outcome(role, state.node.node_id, outcome)
         if failed:
             self._ejector.failure(state, outcome)
