@@ -14,7 +14,6 @@ from tests.support.etcd_cluster import EtcdCluster
 from tests.support.etcd_server import EtcdServer
 from tests.support.procs import HOST, free_port
 from tests.support.secure_etcd import AuthEtcd, TlsEtcd
-from vllm_etcd_proxy.fleet import etcd as etcd_module
 from vllm_etcd_proxy.fleet.etcd import (
     Compacted,
     EtcdAuthError,
@@ -26,6 +25,7 @@ from vllm_etcd_proxy.fleet.etcd import (
     WatchBatch,
     parse_endpoints,
 )
+from vllm_etcd_proxy.fleet.etcd import client as etcd_client
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ async def test_put_get_delete_round_trip(client: EtcdClient) -> None:
 async def test_get_prefix_pages_through_every_key_at_one_revision(
     client: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(etcd_module, "_PAGE", 2)
+    monkeypatch.setattr(etcd_client, "_PAGE", 2)
     for i in range(5):
         await client.put(f"/t/p/{i}", str(i))
     await client.put("/t/q", "outside")
@@ -327,7 +327,7 @@ async def test_auth_token_is_sent_and_renewed_when_etcd_rejects_it(
     async with EtcdClient(settings) as client:
         await client.put("/a/k", "v")
         await asyncio.sleep(3.0)  # the behaviour under test: the token expires while the client is idle
-        with caplog.at_level("INFO", logger="vllm_etcd_proxy.fleet.etcd"):
+        with caplog.at_level("INFO", logger="vllm_etcd_proxy.fleet.etcd.client"):
             assert await client.put("/a/k", "w") > 0
         assert "authenticating again" in caplog.text
         assert "s3cret" not in caplog.text
