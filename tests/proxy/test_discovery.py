@@ -1,4 +1,5 @@
-"""proxy.discovery against a real etcd: list-then-watch, resume, re-list, invalid records, failover, partitions."""
+"""Discovery feeding the real pool from a real etcd: list-then-watch, resume, re-list, invalid records,
+failover, partitions."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tests.support.tcp_relay import TcpRelay
 from vllm_etcd_proxy.fleet.etcd import EtcdClient, EtcdSettings
 from vllm_etcd_proxy.fleet.records import KeyLayout, Node, Role
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState, PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 
 LAYOUT = KeyLayout()
@@ -40,34 +42,34 @@ INVALID_VALUES = {
 """Each one a different reason for a record to be ignored."""
 
 
-class Pool:
-    """The smallest pool: applies events to key -> Node, as the real pool does for etcd nodes."""
+class Recorded:
+    """The replica's real pool, fed by discovery, and every event it was given."""
 
     def __init__(self) -> None:
-        self.nodes: dict[str, Node] = {}
+        self.real = Pool()
         self.events: list[PoolEvent] = []
 
     def apply(self, event: PoolEvent) -> None:
         self.events.append(event)
-        if isinstance(event, Snapshot):
-            self.nodes = {n.key or "": n for n in event.nodes}
-        elif isinstance(event, Upsert):
-            self.nodes[event.node.key or ""] = event.node
-        elif isinstance(event, Remove):
-            self.nodes.pop(event.key, None)
+        self.real.apply(event)
+
+    @property
+    def nodes(self) -> dict[str, Node]:
+        """The pool's nodes by etcd key."""
+        return {state.entry_key: state.node for state in self.real.all()}
 
     def snapshots(self) -> int:
         return sum(isinstance(e, Snapshot) for e in self.events)
 
 
 class Running:
-    def __init__(self, pool: Pool, state: DiscoveryState, task: asyncio.Task[None]):
+    def __init__(self, pool: Recorded, state: DiscoveryState, task: asyncio.Task[None]):
         self.pool, self.state, self.task = pool, state, task
 
 
 @contextlib.asynccontextmanager
 async def discovering(settings: EtcdSettings) -> AsyncIterator[Running]:
-    pool, state = Pool(), DiscoveryState()
+    pool, state = Recorded(), DiscoveryState()
     async with EtcdClient(settings) as client:
         task = asyncio.create_task(Discovery(client, LAYOUT, pool.apply, state, backoff_max=0.5).run())
         try:
