@@ -211,28 +211,6 @@ class EtcdClient:
         request = pb.DeleteRangeRequest(key=to_bytes(key))
         return (await self._unary(_KV + "DeleteRange", request, pb.DeleteRangeResponse)).deleted
 
-    async def delete_prefix(self, prefix: str | bytes) -> int:
-        key, end = prefix_range(prefix)
-        request = pb.DeleteRangeRequest(key=key, range_end=end)
-        return (await self._unary(_KV + "DeleteRange", request, pb.DeleteRangeResponse)).deleted
-
-    async def put_if_absent(self, key: str | bytes, value: bytes | str, *, lease: int = 0) -> bool:
-        """Put only if the key does not exist; True if this call created it.
-
-        A retry after a timeout may answer False for a put that the first attempt did apply.
-        """
-        compare = pb.Compare(key=to_bytes(key), target=pb.Compare.CREATE, create_revision=0)  # EQUAL is 0
-        put = pb.RequestOp(request_put=pb.PutRequest(key=to_bytes(key), value=to_bytes(value), lease=lease))
-        request = pb.TxnRequest(compare=[compare], success=[put])
-        return (await self._unary(_KV + "Txn", request, pb.TxnResponse)).succeeded
-
-    async def compact(self, revision: int, physical: bool = True) -> None:
-        request = pb.CompactionRequest(revision=revision, physical=physical)
-        await self._unary(_KV + "Compact", request, pb.CompactionResponse)
-
-    async def status(self) -> pb.StatusResponse:
-        return await self._unary(_STATUS, pb.StatusRequest(), pb.StatusResponse)
-
     # Leases
 
     async def grant(self, ttl: int) -> int:
