@@ -76,7 +76,7 @@ def main() -> None:
     tables = [
         table("vllm-proxy", proxy_parser(), PROXY_ENV),
         table("vllm-registrar", registrar_parser(), REGISTRAR_ENV),
-        table("vllm-sim", sim_parser({}), "VLLM_SIM_"),
+        table("vllm-sim", sim_parser(), "VLLM_SIM_"),
     ]
     print("\n\n".join(tables))
 

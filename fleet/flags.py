@@ -1,9 +1,10 @@
-"""Flags and environment, read alike by both programs.
+"""Flags and environment, read alike by every program (proxy, registrar, simulated node).
 
 Every flag ``--some-flag`` also reads ``<PREFIX>SOME_FLAG``; a flag given on the command line wins over the
 environment (list flags too: the command line's list replaces the environment's, it does not add to it). List
-flags take a comma-separated list from the environment. The etcd password comes from ``--etcd-password`` (or
-its variable) or from the first line of ``--etcd-password-file``; giving both is an error, not a precedence.
+flags take a comma-separated list from the environment, switches 1/true/yes/on. The etcd password comes from
+``--etcd-password`` (or its variable) or from the first line of ``--etcd-password-file``; giving both is an
+error, not a precedence.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def environment_defaults(
             continue
         if action.dest in lists:
             defaults[action.dest] = [item.strip() for item in text.split(",") if item.strip()]
+        elif isinstance(action.const, bool) and action.nargs == 0:  # store_true / store_false
+            defaults[action.dest] = (text.strip().lower() in _TRUE) == action.const
         elif callable(action.type):
             try:
                 defaults[action.dest] = action.type(text)
@@ -40,6 +43,9 @@ def environment_defaults(
         else:
             defaults[action.dest] = text
     parser.set_defaults(**defaults)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def _given(action: argparse.Action, argv: Sequence[str]) -> bool:

@@ -199,7 +199,7 @@ class DrainingServer(uvicorn.Server):
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # httpx logs every upstream request at info; our own lines carry what matters.
+    # httpx (the control plane: probes, scrapes) logs every request at info; our own lines carry what matters.
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 

@@ -16,7 +16,7 @@ ProxyError                      -> its ``status``; body ``{"error": {"message", 
 └── UpstreamTimeout      504    a configured timeout fired
 
 Transport errors are raised as UpstreamFailed/UpstreamTimeout where they happen (transport.py); etcd errors
-stay in etcd.py. ``render`` is the one place an error becomes an HTTP answer.
+stay in fleet/etcd. ``render`` is the one place an error becomes an HTTP answer.
 """
 
 from __future__ import annotations

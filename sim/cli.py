@@ -5,30 +5,27 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import uvicorn
 
+from vllm_etcd_proxy.fleet.flags import environment_defaults
 from vllm_etcd_proxy.sim.app import create_app
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
 SHUTDOWN_TIMEOUT = 3
 """Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""
 
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
     defaults = SimSettings()
     parser = argparse.ArgumentParser(
         prog="vllm-sim", description="A CPU-only simulated vLLM node (OpenAI-compatible API, vLLM wire format)."
     )
 
     def add(flag: str, kind: type, default: object, help: str) -> None:
-        name = flag.removeprefix("--").replace("-", "_")
-        raw = env.get(f"VLLM_SIM_{name.upper()}")
-        parser.add_argument(flag, type=kind, default=kind(raw) if raw is not None else default, help=help)
+        parser.add_argument(flag, type=kind, default=default, help=help)
 
     add("--host", str, defaults.host, "listen address")
     add("--port", int, defaults.port, "listen port")
@@ -51,7 +48,7 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--fail-status", int, defaults.fail_status, "status of injected failures (500, 503, 429...)")
     add("--fail-after-tokens", int, defaults.fail_after_tokens, "fail every generation after N tokens (0: never)")
     parser.add_argument(
-        "--hang", action="store_true", default=env.get("VLLM_SIM_HANG", "").lower() in _TRUE,
+        "--hang", action="store_true",
         help="accept inference requests but never answer them",
     )  # fmt: skip
     add(
@@ -71,10 +68,14 @@ def _parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> SimSettings:
-    env = os.environ if env is None else env
-    parser = _parser(env)
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        environment_defaults(parser, "VLLM_SIM_", argv, lists={"model"}, environ=os.environ if env is None else env)
+    except ValueError as exc:
+        parser.error(str(exc))
     args = parser.parse_args(argv)
-    models = args.model or [m.strip() for m in env.get("VLLM_SIM_MODEL", "").split(",") if m.strip()]
+    models = args.model or ()
     try:
         role = Role(args.role)
     except ValueError:

@@ -50,3 +50,13 @@ def test_the_etcd_password_comes_from_one_source_in_both_programs(
     assert "not both" in capsys.readouterr().err
     with pytest.raises(UsageError, match="not both"):
         parse_command_line([*REGISTRAR, *both_file])
+
+
+def test_the_simulated_node_reads_its_environment_the_same_way() -> None:
+    from vllm_etcd_proxy.sim.cli import parse_settings as sim_settings
+
+    env = {"VLLM_SIM_MODEL": "a,b", "VLLM_SIM_HANG": "0", "VLLM_SIM_TTFT": "0.25"}
+    settings = sim_settings([], env)
+    assert settings.models == ("a", "b") and settings.hang is False and settings.ttft == 0.25
+    settings = sim_settings(["--model", "c", "--ttft", "0"], {**env, "VLLM_SIM_HANG": "yes"})
+    assert settings.models == ("c",) and settings.hang is True and settings.ttft == 0.0
