@@ -71,3 +71,12 @@ def test_node_state_is_written_by_the_pool_alone() -> None:
                     ):
                         writes.add(f"{path.relative_to(ROOT)}:{item.lineno} .{item.attr}")
     assert not writes, f"write NodeState through Pool's methods: {sorted(writes)}"
+
+
+def test_no_module_is_much_over_three_hundred_lines() -> None:
+    long = {
+        f"{p.relative_to(ROOT)}: {n}"
+        for p in _sources(*PACKAGES)
+        if "pb" not in p.relative_to(ROOT).parts and (n := len(p.read_text().splitlines())) > 320
+    }
+    assert not long, f"split these by concern: {sorted(long)}"
