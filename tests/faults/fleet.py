@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from tests.faults.load import MIXED_MODEL, MODEL
 from tests.support.procs import free_port, wait_until
 from tests.support.proxy_proc import ProxyProc
@@ -237,12 +235,6 @@ def holds(check: Callable[[], bool], duration: float, what: str, interval: float
         time.sleep(interval)
 
 
-def node_seen_by(records: Iterable[dict[str, Any]], replica_index: int, tag: str = "load") -> list[dict[str, Any]]:
-    """The records of requests that the load sent through replica ``replica_index``."""
-    prefix = f"{tag}-r{replica_index}-"
-    return [r for r in records if (r.get("request_id") or "").startswith(prefix)]
-
-
 _RESUMED = re.compile(r"stream resumed request_id=(\S+) from=(\S+) to=(\S+) .*? reason=(.*)$", re.MULTILINE)
 _BROKEN = re.compile(r"stream broken request_id=(\S+)")
 
@@ -273,9 +265,3 @@ def resumes_counted(replicas: Iterable[ProxyProc], outcome: str) -> int:
     prefix = f'vllm_proxy_resumes_total{{outcome="{outcome}"}} '
     lines = (line for r in replicas for line in r.get("/metrics").text.splitlines())
     return sum(int(float(line[len(prefix) :])) for line in lines if line.startswith(prefix))
-
-
-def sim_requests(url: str) -> list[dict[str, Any]]:
-    response = httpx.get(f"{url}/sim/requests", timeout=5)
-    response.raise_for_status()
-    return list(response.json()["requests"])
