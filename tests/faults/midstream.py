@@ -24,10 +24,12 @@ from tests.support.proxy_proc import ProxyProc
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 BURST_STREAMS = 40
-"""Long streams in a burst, alternating over the replicas and over chat and completions: least-load sends about
-half of them to each of the model's two nodes, comfortably more than AT_ONCE."""
-BURST_FULL = 8
-"""Long non-streamed requests in a burst: a few of them are on the victim too."""
+"""Long streams in a burst, alternating over the replicas and over chat and completions: each of the model's two
+nodes gets about half (least-load alternates; cache-aware hashes each distinct prompt), so at least one of them
+has comfortably more than AT_ONCE."""
+BURST_FULL = 12
+"""Long non-streamed requests in a burst: a few of them are on the victim too (at least 2 of 12 on a node that
+holds most of the streams, but for a 1-in-300 split)."""
 BURST_TOKENS = 200
 """Tokens of a burst request: ~2 s at the nodes' 10 ms per token, so none ends before the fault."""
 AT_ONCE = 16
