@@ -2,7 +2,9 @@
 
 A replica only knows its own in-flight requests; the node's ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting`` count every replica's and direct clients', and ``vllm:kv_cache_usage_perc`` says
-how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. Scraped
+how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. The same
+goes for the node's speed: its mean time between output tokens over the last ``ITL_WINDOW`` seconds, from the
+``vllm:inter_token_latency_seconds`` histogram's sum and count. Scraped
 every ``interval`` seconds (``--scrape-load``; a request per node per interval, read with a regular expression
 rather than a full Prometheus parser: vLLM's page is large).
 """
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import re
 import time
+from collections import deque
 
 import httpx
 
@@ -24,6 +27,14 @@ RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 SCRAPE_TIMEOUT = httpx.Timeout(2.0)
 PARALLEL_SCRAPES = 32
 """Scrapes in flight at once, however many nodes there are."""
+ITL_WINDOW = 5.0
+"""Seconds of the node's history its speed is judged on: long enough for hundreds of tokens, short enough for a
+node that slows down to be seen within seconds."""
+MIN_TOKENS = 50
+"""Fewer inter-token gaps than this in the window say nothing: the last figure stays."""
+_ITL = re.compile(
+    rb"^vllm:(inter_token_latency_seconds|time_per_output_token_seconds)_(sum|count)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M
+)
 _GAUGES = re.compile(
     rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M
 )
@@ -53,6 +64,43 @@ def read_node_load(text: bytes) -> tuple[int, int, float] | None:
 
 
 
+def read_token_latency(text: bytes) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the inter-token latency histogram, summed over engines; vLLM's older name
+    ``vllm:time_per_output_token_seconds`` when the page has no ``vllm:inter_token_latency_seconds``."""
+    found: dict[bytes, list[float]] = {}
+    for name, part, value in _ITL.findall(text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if number == number:
+            totals = found.setdefault(name, [0.0, 0.0])
+            totals[part == b"count"] += number
+    chosen = found.get(b"inter_token_latency_seconds") or found.get(b"time_per_output_token_seconds")
+    return (chosen[0], chosen[1]) if chosen else None
+
+
+class TokenLatency:
+    """One node's mean inter-token latency over the last ``ITL_WINDOW`` seconds, from successive scrapes of
+    its cumulative histogram."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float, float]] = deque()
+        self.value: float | None = None
+
+    def add(self, now: float, total: float, count: float) -> float | None:
+        if self._samples and count < self._samples[-1][2]:
+            self._samples.clear()  # the node restarted: its counters began again
+        self._samples.append((now, total, count))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - ITL_WINDOW:
+            self._samples.popleft()
+        _, old_total, old_count = self._samples[0]
+        if count - old_count >= MIN_TOKENS:
+            self.value = (total - old_total) / (count - old_count)
+        elif self.value is None and count >= MIN_TOKENS:
+            self.value = total / count  # first sight of a node that already served: its whole history
+        return self.value
+
 
 class LoadWatcher:
     def __init__(self, pool: Pool, client: httpx.AsyncClient, interval: float, headers: dict[str, str] | None) -> None:
@@ -60,12 +108,16 @@ class LoadWatcher:
         self._client = client
         self._interval = interval
         self._headers = headers
+        self._latency: dict[str, TokenLatency] = {}
 
     async def run(self) -> None:
         limit = asyncio.Semaphore(PARALLEL_SCRAPES)
         while True:
             started = time.monotonic()
             states = [s for s in self._pool.all() if s.routable]
+            if len(self._latency) > 2 * len(states) + 100:  # nodes come and go
+                keep = {s.entry_key for s in states}
+                self._latency = {k: v for k, v in self._latency.items() if k in keep}
             await asyncio.gather(*(self._scrape(s, limit) for s in states))
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
@@ -76,7 +128,11 @@ class LoadWatcher:
                 response = await self._client.get(url, timeout=SCRAPE_TIMEOUT, headers=self._headers)
                 response.raise_for_status()
                 parsed = read_node_load(response.content)
+                latency = read_token_latency(response.content)
             except httpx.HTTPError as exc:
                 log.debug("load scrape failed node=%s error=%s", state.node.node_id, type(exc).__name__)
                 return
         state.node_running, state.node_waiting, state.kv_usage = parsed if parsed else (0, 0, 0.0)
+        if latency is not None:
+            tracker = self._latency.setdefault(state.entry_key, TokenLatency())
+            state.node_itl = tracker.add(time.monotonic(), *latency)

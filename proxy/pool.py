@@ -30,6 +30,8 @@ class NodeState:
     """Requests the node is running (all replicas'), from its /metrics when --scrape-load is on."""
     kv_usage: float = 0.0
     """The node's KV-cache usage, 0 to 1, from its /metrics when --scrape-load is on."""
+    node_itl: float | None = None
+    """The node's recent mean seconds between output tokens, from its /metrics (None: not known yet)."""
     served: int = 0
     """Requests completed through this replica (any outcome)."""
     failures: int = 0
