@@ -190,8 +190,9 @@ class CacheAware:
     same on every replica, and the request goes to the first of them that is not overloaded. A node's weight
     comes from its speed (``speed_weights``): a slow node ranks first for fewer keys, while every other key
     keeps its node. Overloaded means the node's KV cache is nearly full, or its load (its own queue and running
-    requests, as every replica reads them from its /metrics) exceeds ``1 + epsilon`` times the average by more
-    than ``slack`` requests; then every replica sends the key to the same second choice. Requests without a
+    requests, as every replica reads them from its /metrics) exceeds ``1 + epsilon`` times its share of the
+    total (the average, when all weigh alike) by more than ``slack`` requests; then every replica sends the key
+    to the same second choice. Requests without a
     key: least load."""
 
     name = "cache-aware"
@@ -223,17 +224,19 @@ class CacheAware:
             least = min(loads)
             ties = sorted((s for s in pool if node_load(s) == least), key=lambda s: s.node.url)
             return ties[next(self._turn) % len(ties)]
-        limit = (1 + self._epsilon) * sum(loads) / len(pool) + self._slack
+        weights = speed_weights(pool)
+        # A node's fair load is its weight's share of the total: a slow node is overloaded sooner.
+        fair = (1 + self._epsilon) * sum(loads) / sum(weights)
         # Weighted rendezvous hashing: every replica ranks the nodes for a key alike; a node that leaves moves
         # only the keys it ranked first, and a node whose weight falls loses only some of its own keys.
         seed = _stable_hash(key)
         scores = [
             -weight / math.log((_mix(seed ^ self._node_hash(state)) + 1) / _UNIT)
-            for state, weight in zip(pool, speed_weights(pool), strict=True)
+            for state, weight in zip(pool, weights, strict=True)
         ]
         ranked = sorted(range(len(pool)), key=scores.__getitem__, reverse=True)
         for i in ranked:
-            if loads[i] <= limit and pool[i].kv_usage < self.KV_FULL:
+            if loads[i] <= fair * weights[i] + self._slack and pool[i].kv_usage < self.KV_FULL:
                 return pool[i]
         return pool[min(ranked, key=loads.__getitem__)]
 

@@ -143,3 +143,18 @@ def test_small_differences_in_speed_move_no_key() -> None:
     for state, itl in zip(pool, (0.005, 0.006, 0.0045, 0.007), strict=True):
         state.node_itl = itl  # within 1.5 x the median: noise, not a slow node
     assert homes(CacheAware(), pool) == before
+
+
+def test_a_slow_node_counts_as_overloaded_at_a_load_a_fast_node_keeps() -> None:
+    pool = nodes(4)
+    for state in pool:
+        state.node_itl, state.node_running = 0.005, 3
+    slow = pool[3]
+    slow.node_itl, slow.node_running = 0.015, 2
+    found = homes(CacheAware(), pool, keys=4000)  # nobody overloaded
+    assert any(home == slow.node.node_id for home in found.values())
+    slow.node_running = 4  # a fast node at 4 would keep its keys; the slow one, weighing 1/8, lets them go
+    again = homes(CacheAware(), pool, keys=4000)
+    assert slow.node.node_id not in again.values()
+    assert again == homes(CacheAware(), pool[::-1], keys=4000)
+    assert all(again[k] == home for k, home in found.items() if home != slow.node.node_id)
