@@ -153,8 +153,6 @@ def node_load(state: NodeState) -> int:
 
 
 _MASK = (1 << 64) - 1
-_UNIT = float(1 << 64) + 1.0
-"""Turns a 64-bit hash into a number strictly between 0 and 1."""
 
 
 def _mix(value: int) -> int:
@@ -162,6 +160,15 @@ def _mix(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
     return value ^ (value >> 31)
+
+
+def _unit(value: int) -> float:
+    """A 64-bit hash as a float strictly between 0 and 1 (its top 52 bits and a half: exact in a double)."""
+    return ((value >> 12) + 0.5) / (1 << 52)
+
+
+SLOW = 1.5
+"""A node this many times slower than the median, or more, gets fewer new keys (see ``speed_weights``)."""
 
 
 def speed_weights(states: Sequence[NodeState]) -> list[float]:
@@ -181,10 +188,6 @@ def speed_weights(states: Sequence[NodeState]) -> list[float]:
     return weights
 
 
-SLOW = 1.5
-"""A node this many times slower than the median, or more, gets fewer new keys (see ``speed_weights``)."""
-
-
 class CacheAware:
     """Prefix-cache affinity with a load escape: a key's nodes are ranked by weighted rendezvous hashing, the
     same on every replica, and the request goes to the first of them that is not overloaded. A node's weight
@@ -192,8 +195,7 @@ class CacheAware:
     keeps its node. Overloaded means the node's KV cache is nearly full, or its load (its own queue and running
     requests, as every replica reads them from its /metrics) exceeds ``1 + epsilon`` times its share of the
     total (the average, when all weigh alike) by more than ``slack`` requests; then every replica sends the key
-    to the same second choice. Requests without a
-    key: least load."""
+    to the same second choice. Requests without a key: least load."""
 
     name = "cache-aware"
     KV_FULL = 0.95
@@ -222,7 +224,7 @@ class CacheAware:
         loads = [node_load(s) for s in pool]
         if key is None:
             least = min(loads)
-            ties = sorted((s for s in pool if node_load(s) == least), key=lambda s: s.node.url)
+            ties = sorted((s for s, n in zip(pool, loads, strict=True) if n == least), key=lambda s: s.node.url)
             return ties[next(self._turn) % len(ties)]
         weights = speed_weights(pool)
         # A node's fair load is its weight's share of the total: a slow node is overloaded sooner.
@@ -231,7 +233,7 @@ class CacheAware:
         # only the keys it ranked first, and a node whose weight falls loses only some of its own keys.
         seed = _stable_hash(key)
         scores = [
-            -weight / math.log((_mix(seed ^ self._node_hash(state)) + 1) / _UNIT)
+            -weight / math.log(_unit(_mix(seed ^ self._node_hash(state))))
             for state, weight in zip(pool, weights, strict=True)
         ]
         ranked = sorted(range(len(pool)), key=scores.__getitem__, reverse=True)

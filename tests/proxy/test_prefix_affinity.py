@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 from proxy.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
-from proxy.balancer import CacheAware
+from proxy.balancer import CacheAware, _unit
 from proxy.pool import NodeState
 from proxy.records import Node, Role
 
@@ -158,3 +158,8 @@ def test_a_slow_node_counts_as_overloaded_at_a_load_a_fast_node_keeps() -> None:
     assert slow.node.node_id not in again.values()
     assert again == homes(CacheAware(), pool[::-1], keys=4000)
     assert all(again[k] == home for k, home in found.items() if home != slow.node.node_id)
+
+
+def test_the_rendezvous_draw_stays_strictly_between_0_and_1_at_the_hash_extremes() -> None:
+    # -weight / ln(u) must be finite for every hash, or one key in 2^54 would crash the ranking.
+    assert 0.0 < _unit(0) < _unit((1 << 64) - 1) < 1.0
