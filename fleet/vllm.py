@@ -1,5 +1,5 @@
 """What a vLLM node says about itself, read alike by the proxy and the registrar: the models it serves
-(``GET /v1/models``) and its load (``GET /metrics``).
+(``GET /v1/models``) and its load and speed (``GET /metrics``).
 
 The load is read with a regular expression rather than a full Prometheus parser: vLLM's page is large and
 scraped often.
@@ -11,6 +11,9 @@ import re
 from typing import Any
 
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+_ITL = re.compile(
+    rb"^vllm:(inter_token_latency_seconds|time_per_output_token_seconds)_(sum|count)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M
+)
 _GAUGES = re.compile(
     rb"^vllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}\n]*\})?[ \t]+(\S+)", re.M
 )
@@ -37,6 +40,22 @@ def read_node_load(text: bytes) -> tuple[int, int, float] | None:
         else:
             usage = max(usage, number)
     return (int(running), int(waiting), usage) if seen else None
+
+
+def read_token_latency(text: bytes) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the inter-token latency histogram, summed over engines; vLLM's older name
+    ``vllm:time_per_output_token_seconds`` when the page has no ``vllm:inter_token_latency_seconds``."""
+    found: dict[bytes, list[float]] = {}
+    for name, part, value in _ITL.findall(text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if number == number:
+            totals = found.setdefault(name, [0.0, 0.0])
+            totals[part == b"count"] += number
+    chosen = found.get(b"inter_token_latency_seconds") or found.get(b"time_per_output_token_seconds")
+    return (chosen[0], chosen[1]) if chosen else None
 
 
 def parse_models(body: Any) -> tuple[str, ...]:

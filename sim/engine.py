@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_etcd_proxy.sim.errors import ApiError
 from vllm_etcd_proxy.sim.knobs import Knobs
+from vllm_etcd_proxy.sim.latency import Latencies
 from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
 from vllm_etcd_proxy.sim.settings import SimSettings
 
@@ -135,6 +136,8 @@ class Engine:
         self.finished: Counter[str] = Counter()
         """Finished requests by finish reason (stop, length, abort), for vllm:request_success_total."""
         self.started_at = time.monotonic()
+        self.latencies = Latencies()
+        """Time to first token, between tokens and end to end of finished generations, for /metrics."""
         self._rng = rng or random.Random()
         self._unhung = asyncio.Event()
         self._knobs_changed = asyncio.Event()
@@ -182,6 +185,7 @@ class Engine:
         """
         record = job.record
         outcome = "cancelled"
+        arrived = time.monotonic()
         try:
             if not self._unhung.is_set():
                 record.state = "hung"
@@ -204,9 +208,14 @@ class Engine:
                     self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
                 )
                 self.counters["prompt_tokens"] += record.prompt_tokens
+                last = time.monotonic()
+                self.latencies.ttft.observe(last - arrived)
                 for i, token in enumerate(job.tokens):
                     if i:
                         await asyncio.sleep(self.knobs.itl)
+                        now = time.monotonic()
+                        self.latencies.itl.observe(now - last)
+                        last = now
                     limit = self.knobs.fail_after_tokens
                     if limit and i >= limit:
                         outcome = "failed"
@@ -217,6 +226,7 @@ class Engine:
                     self.counters["generation_tokens"] += 1
                     yield token
                 outcome = "done"
+                self.latencies.e2e.observe(time.monotonic() - arrived)
             finally:
                 self.cache.release(lease, job.tokens[: record.completion_tokens])
                 self.slots.release()

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from vllm_etcd_proxy.sim.engine import Engine
+from vllm_etcd_proxy.sim.latency import Histogram
 
 LABELS = ["model_name", "engine"]
 
@@ -29,6 +30,11 @@ class EngineCollector(Collector):
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, doc, labels=LABELS)
             family.add_metric(labels, value)
+            return family
+
+        def histogram(name: str, doc: str, value: Histogram) -> HistogramMetricFamily:
+            family = HistogramMetricFamily(name, doc, labels=LABELS)
+            family.add_metric(labels, value.buckets(), value.total)
             return family
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -60,6 +66,16 @@ class EngineCollector(Collector):
         for reason in ("stop", "length", "abort"):
             success.add_metric([*labels, reason], engine.finished[reason])
         yield success
+        latencies = engine.latencies
+        yield histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", latencies.ttft
+        )
+        yield histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", latencies.itl
+        )
+        yield histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latencies.e2e
+        )
 
 
 def make_registry(engine: Engine) -> CollectorRegistry:

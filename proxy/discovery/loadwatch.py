@@ -2,8 +2,10 @@
 
 A replica only knows its own in-flight requests; the node's ``vllm:num_requests_running`` and
 ``vllm:num_requests_waiting`` count every replica's and direct clients', and ``vllm:kv_cache_usage_perc`` says
-how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. Scraped
-every ``interval`` seconds (``--scrape-load``; a request per node per interval).
+how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. The same
+goes for the node's speed: its mean time between output tokens over the last ``ITL_WINDOW`` seconds, from the
+``vllm:inter_token_latency_seconds`` histogram's sum and count. Scraped every ``interval`` seconds
+(``--scrape-load``; a request per node per interval).
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 
 import httpx
 
-from vllm_etcd_proxy.fleet.vllm import read_node_load
+from vllm_etcd_proxy.fleet.vllm import read_node_load, read_token_latency
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
@@ -22,6 +25,33 @@ log = logging.getLogger(__name__)
 SCRAPE_TIMEOUT = httpx.Timeout(2.0)
 PARALLEL_SCRAPES = 32
 """Scrapes in flight at once, however many nodes there are."""
+ITL_WINDOW = 5.0
+"""Seconds of the node's history its speed is judged on: long enough for hundreds of tokens, short enough for a
+node that slows down to be seen within seconds."""
+MIN_TOKENS = 50
+"""Fewer inter-token gaps than this in the window say nothing: the last figure stays."""
+
+
+class TokenLatency:
+    """One node's mean inter-token latency over the last ``ITL_WINDOW`` seconds, from successive scrapes of
+    its cumulative histogram."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float, float]] = deque()
+        self.value: float | None = None
+
+    def add(self, now: float, total: float, count: float) -> float | None:
+        if self._samples and count < self._samples[-1][2]:
+            self._samples.clear()  # the node restarted: its counters began again
+        self._samples.append((now, total, count))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - ITL_WINDOW:
+            self._samples.popleft()
+        _, old_total, old_count = self._samples[0]
+        if count - old_count >= MIN_TOKENS:
+            self.value = (total - old_total) / (count - old_count)
+        elif self.value is None and count >= MIN_TOKENS:
+            self.value = total / count  # first sight of a node that already served: its whole history
+        return self.value
 
 
 class LoadWatcher:
@@ -30,12 +60,16 @@ class LoadWatcher:
         self._client = client
         self._interval = interval
         self._headers = headers
+        self._latency: dict[str, TokenLatency] = {}
 
     async def run(self) -> None:
         limit = asyncio.Semaphore(PARALLEL_SCRAPES)
         while True:
             started = time.monotonic()
             states = [s for s in self._pool.all() if s.routable]
+            if len(self._latency) > 2 * len(states) + 100:  # nodes come and go
+                keep = {s.entry_key for s in states}
+                self._latency = {k: v for k, v in self._latency.items() if k in keep}
             await asyncio.gather(*(self._scrape(s, limit) for s in states))
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
@@ -46,7 +80,11 @@ class LoadWatcher:
                 response = await self._client.get(url, timeout=SCRAPE_TIMEOUT, headers=self._headers)
                 response.raise_for_status()
                 parsed = read_node_load(response.content)
+                latency = read_token_latency(response.content)
             except httpx.HTTPError as exc:
                 log.debug("load scrape failed node=%s error=%s", state.node.node_id, type(exc).__name__)
                 return
         self._pool.set_load(state, *(parsed or (0, 0, 0.0)))
+        if latency is not None:
+            tracker = self._latency.setdefault(state.entry_key, TokenLatency())
+            self._pool.set_token_latency(state, tracker.add(time.monotonic(), *latency))

@@ -33,6 +33,8 @@ class NodeState:
     """Requests the node is running (all replicas'), from its /metrics when --scrape-load is on."""
     kv_usage: float = 0.0
     """The node's KV-cache usage, 0 to 1, from its /metrics when --scrape-load is on."""
+    node_itl: float | None = None
+    """The node's recent mean seconds between output tokens, from its /metrics (None: not known yet)."""
     served: int = 0
     """Requests completed through this replica (any outcome)."""
     failures: int = 0
@@ -150,6 +152,10 @@ class Pool:
     def set_load(self, state: NodeState, running: int, waiting: int, kv_usage: float) -> None:
         """The node's own figures from its /metrics (every replica's requests, not only ours)."""
         state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
+
+    def set_token_latency(self, state: NodeState, seconds: float | None) -> None:
+        """The node's recent mean time between output tokens (its speed; None until known)."""
+        state.node_itl = seconds
 
     def set_health(
         self, state: NodeState, *, failures: int, probation: bool, ejections: int | None = None,

@@ -162,12 +162,40 @@ def _mix(value: int) -> int:
     return value ^ (value >> 31)
 
 
+def _unit(value: int) -> float:
+    """A 64-bit hash as a float strictly between 0 and 1 (its top 52 bits and a half: exact in a double)."""
+    return ((value >> 12) + 0.5) / (1 << 52)
+
+
+SLOW = 1.5
+"""A node this many times slower than the median, or more, gets fewer new keys (see ``speed_weights``)."""
+
+
+def speed_weights(states: Sequence[NodeState]) -> list[float]:
+    """Each node's share of new keys, relative to the others, from how fast it produces tokens (its own /metrics,
+    which every replica reads alike). A node no slower than ``SLOW`` times the median weighs 1; a slower one
+    ``(median / its latency) ** 2``, rounded to a power of two so that replicas whose scrapes differ a little
+    still agree. Squared: a node 3 times slower serves a request in 3 times the time, so it should take fewer
+    than a third of the conversations for its answers to stay near the others' latency."""
+    known = sorted(s.node_itl for s in states if s.node_itl)
+    if not known:
+        return [1.0] * len(states)
+    median = known[(len(known) - 1) // 2]
+    weights = []
+    for state in states:
+        ratio = state.node_itl / median if state.node_itl else 1.0
+        weights.append(1.0 if ratio < SLOW else 2.0 ** -round(2 * math.log2(ratio)))
+    return weights
+
+
 class CacheAware:
-    """Prefix-cache affinity with a load escape: a key's nodes are ranked by rendezvous hashing, the same on
-    every replica, and the request goes to the first of them that is not overloaded. Overloaded means the
-    node's KV cache is nearly full, or its load (its own queue and running requests, as every replica reads
-    them from its /metrics) exceeds ``1 + epsilon`` times the average by more than ``slack`` requests; then
-    every replica sends the key to the same second choice. Requests without a key: least load."""
+    """Prefix-cache affinity with a load escape: a key's nodes are ranked by weighted rendezvous hashing, the
+    same on every replica, and the request goes to the first of them that is not overloaded. A node's weight
+    comes from its speed (``speed_weights``): a slow node ranks first for fewer keys, while every other key
+    keeps its node. Overloaded means the node's KV cache is nearly full, or its load (its own queue and running
+    requests, as every replica reads them from its /metrics) exceeds ``1 + epsilon`` times its share of the
+    total (the average, when all weigh alike) by more than ``slack`` requests; then every replica sends the key
+    to the same second choice. Requests without a key: least load."""
 
     name = "cache-aware"
     KV_FULL = 0.95
@@ -198,15 +226,21 @@ class CacheAware:
             least = min(loads)
             ties = sorted((s for s, n in zip(pool, loads, strict=True) if n == least), key=lambda s: s.node.url)
             return ties[next(self._turn) % len(ties)]
-        limit = (1 + self._epsilon) * sum(loads) / len(pool) + self._slack
-        # Rendezvous hashing: every replica ranks the nodes for a key alike, and a node that leaves moves only
-        # the keys it ranked first.
+        weights = speed_weights(pool)
+        # A node's fair load is its weight's share of the total: a slow node is overloaded sooner.
+        fair = (1 + self._epsilon) * sum(loads) / sum(weights)
+        # Weighted rendezvous hashing: every replica ranks the nodes for a key alike; a node that leaves moves
+        # only the keys it ranked first, and a node whose weight falls loses only some of its own keys.
         seed = _stable_hash(key)
-        ranked = sorted(zip(pool, loads, strict=True), key=lambda p: _mix(seed ^ self._node_hash(p[0])), reverse=True)
-        for state, load_now in ranked:
-            if load_now <= limit and state.kv_usage < self.KV_FULL:
-                return state
-        return min(ranked, key=lambda p: p[1])[0]
+        scores = [
+            -weight / math.log(_unit(_mix(seed ^ self._node_hash(state))))
+            for state, weight in zip(pool, weights, strict=True)
+        ]
+        ranked = sorted(range(len(pool)), key=scores.__getitem__, reverse=True)
+        for i in ranked:
+            if loads[i] <= fair * weights[i] + self._slack and pool[i].kv_usage < self.KV_FULL:
+                return pool[i]
+        return pool[min(ranked, key=loads.__getitem__)]
 
 
 POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]

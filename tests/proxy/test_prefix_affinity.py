@@ -9,7 +9,7 @@ from typing import Any
 from vllm_etcd_proxy.fleet.records import Node, Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.routing.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
-from vllm_etcd_proxy.proxy.routing.balancer import CacheAware
+from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _unit
 
 PREAMBLE = "You are a helpful assistant. Follow the house rules below. " * 200  # ~12 KB, shared by every session
 
@@ -113,3 +113,55 @@ def test_the_known_part_of_a_prompt_reaches_past_a_shared_preamble_into_the_conv
     prefix = index.read(turn_4[0])
     # Everything turn 3 sent, up to its unfinished last line ("A:"), was seen before: it is likely cached.
     assert prefix.known == turn_3[0].rindex(b"\n") + 1, (len(turn_3[0]), prefix.known)
+
+
+def homes(policy: CacheAware, pool: list[NodeState], keys: int = 2000) -> dict[str, str]:
+    found = {}
+    for key in (f"prefix:{i:x}" for i in range(keys)):
+        chosen = policy.choose(pool, key=key)
+        assert chosen is not None
+        found[key] = chosen.node.node_id
+    return found
+
+
+def test_a_slow_node_gets_fewer_keys_and_every_other_key_keeps_its_node() -> None:
+    pool = nodes(4)
+    for state in pool:
+        state.node_itl = 0.005
+    before = homes(CacheAware(), pool)
+    slow = pool[3]
+    slow.node_itl = 0.015  # 3 times slower than the others, as every replica reads it from the node's /metrics
+    after = homes(CacheAware(), pool)
+    assert after == homes(CacheAware(), pool[::-1])  # another replica, the same answer
+    on_slow = Counter(after.values())[slow.node.node_id]
+    assert 0 < on_slow < Counter(before.values())[slow.node.node_id] / 4
+    # Only keys that lived on the slow node moved; none moved between the fast ones.
+    assert all(after[k] == home for k, home in before.items() if home != slow.node.node_id)
+
+
+def test_small_differences_in_speed_move_no_key() -> None:
+    pool = nodes(4)
+    before = homes(CacheAware(), pool)  # no latency scraped yet
+    for state, itl in zip(pool, (0.005, 0.006, 0.0045, 0.007), strict=True):
+        state.node_itl = itl  # within 1.5 x the median: noise, not a slow node
+    assert homes(CacheAware(), pool) == before
+
+
+def test_a_slow_node_counts_as_overloaded_at_a_load_a_fast_node_keeps() -> None:
+    pool = nodes(4)
+    for state in pool:
+        state.node_itl, state.node_running = 0.005, 3
+    slow = pool[3]
+    slow.node_itl, slow.node_running = 0.015, 2
+    found = homes(CacheAware(), pool, keys=4000)  # nobody overloaded
+    assert any(home == slow.node.node_id for home in found.values())
+    slow.node_running = 4  # a fast node at 4 would keep its keys; the slow one, weighing 1/8, lets them go
+    again = homes(CacheAware(), pool, keys=4000)
+    assert slow.node.node_id not in again.values()
+    assert again == homes(CacheAware(), pool[::-1], keys=4000)
+    assert all(again[k] == home for k, home in found.items() if home != slow.node.node_id)
+
+
+def test_the_rendezvous_draw_stays_strictly_between_0_and_1_at_the_hash_extremes() -> None:
+    # -weight / ln(u) must be finite for every hash, or one key in 2^54 would crash the ranking.
+    assert 0.0 < _unit(0) < _unit((1 << 64) - 1) < 1.0

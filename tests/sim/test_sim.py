@@ -16,6 +16,7 @@ import pytest
 
 from tests.support.procs import wait_until
 from tests.support.sim_node import SimNode
+from vllm_etcd_proxy.proxy.discovery.loadwatch import read_token_latency
 from vllm_etcd_proxy.sim.cli import parse_settings
 from vllm_etcd_proxy.sim.settings import Role
 
@@ -400,3 +401,21 @@ def test_every_flag_reads_its_environment_variable() -> None:
     assert parse_settings(["--model", "c"], env).models == ("c",)
     defaults = parse_settings([], {})
     assert (defaults.block_size, defaults.cache_blocks, defaults.prefill_per_token) == (16, 4096, 0.0)
+
+
+async def test_latency_histograms_are_vllms_and_the_proxy_reads_the_token_latency(
+    sim_logs: Path, client: httpx.AsyncClient
+) -> None:
+    with SimNode(sim_logs, ttft=0.01, itl=0.002) as fresh:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 5}
+        response = await client.post(f"{fresh.url}/v1/completions", json=body)
+        assert response.status_code == 200
+        page = fresh.metrics()
+        labels = f'engine="0",model_name="{MODEL}"'
+        assert gauge(page, "vllm:time_to_first_token_seconds_count") == 1
+        assert gauge(page, "vllm:e2e_request_latency_seconds_count") == 1
+        assert gauge(page, "vllm:inter_token_latency_seconds_count") == 4  # the gaps between 5 tokens
+        assert f'vllm:inter_token_latency_seconds_bucket{{engine="0",le="+Inf",model_name="{MODEL}"}} 4.0' in page
+        assert f"vllm:time_to_first_token_seconds_sum{{{labels}}}" in page
+        total, count = read_token_latency(page.encode()) or (0.0, 0.0)
+        assert count == 4 and total >= 4 * 0.002
