@@ -167,7 +167,7 @@ def _unit(value: int) -> float:
     return ((value >> 12) + 0.5) / (1 << 52)
 
 
-SLOW = 1.5
+SLOW = 2.0
 """A node this many times slower than the median, or more, gets fewer new keys (see ``speed_weights``)."""
 
 

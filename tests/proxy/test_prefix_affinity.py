@@ -142,8 +142,8 @@ def test_a_slow_node_gets_fewer_keys_and_every_other_key_keeps_its_node() -> Non
 def test_small_differences_in_speed_move_no_key() -> None:
     pool = nodes(4)
     before = homes(CacheAware(), pool)  # no latency scraped yet
-    for state, itl in zip(pool, (0.005, 0.006, 0.0045, 0.007), strict=True):
-        state.node_itl = itl  # within 1.5 x the median: noise, not a slow node
+    for state, itl in zip(pool, (0.005, 0.006, 0.0045, 0.009), strict=True):
+        state.node_itl = itl  # within 2 x the median: noise, not a slow node
     assert homes(CacheAware(), pool) == before
 
 
