@@ -48,33 +48,27 @@ class RoundRobin:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
+    def _among(self, pool: Sequence[NodeState]) -> Sequence[NodeState]:
+        return pool
+
     def choose(
         self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
     ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if not pool:
             return None
-        ordered = sorted(pool, key=lambda s: s.node.url)
+        ordered = sorted(self._among(pool), key=lambda s: s.node.url)
         return ordered[next(self._turn) % len(ordered)]
 
 
-class LeastLoad:
+class LeastLoad(RoundRobin):
     """Least load; round-robin among equals so ties spread evenly."""
 
     name = "least-load"
 
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
-        pool = _untried(candidates, tried)
-        if not pool:
-            return None
+    def _among(self, pool: Sequence[NodeState]) -> Sequence[NodeState]:
         least = min(load(s) for s in pool)
-        ties = sorted((s for s in pool if load(s) == least), key=lambda s: s.node.url)
-        return ties[next(self._turn) % len(ties)]
+        return [s for s in pool if load(s) == least]
 
 
 class PowerOfTwo:
@@ -243,13 +237,13 @@ class CacheAware:
         return pool[min(ranked, key=loads.__getitem__)]
 
 
-POLICIES: dict[str, type[RoundRobin] | type[LeastLoad] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
+POLICIES: dict[str, type[RoundRobin] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
 AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name])
+"""Policies that route by an affinity key (the request's session, user or prompt prefix)."""
 DEFAULT_POLICIES = {"prefill": CacheAware.name, "decode": LeastLoad.name, "mixed": CacheAware.name}
 """Per role when no policy flag is given (bench/routing.py): a prefix cache saves prefill and mixed nodes work;
 a decode node only pulls the KV cache, so its load is what matters."""
-"""Policies that route by an affinity key (the request's session, user or prompt prefix)."""
 
 
 def make_policy(name: str) -> Policy:
