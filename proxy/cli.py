@@ -211,7 +211,7 @@ def parse_settings(argv: Sequence[str]) -> ProxySettings:
         environment_defaults(parser, ENV_PREFIX, argv, LIST_FLAGS)
     except ValueError as exc:
         parser.error(str(exc))
-    if "admin_key" not in parser._defaults and os.environ.get("ADMIN_API_KEY"):
+    if parser.get_default("admin_key") is None and os.environ.get("ADMIN_API_KEY"):
         parser.set_defaults(admin_key=os.environ["ADMIN_API_KEY"])  # the seed's variable
     args = parser.parse_args(argv)
     if args.max_attempts < 1:

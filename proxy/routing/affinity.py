@@ -158,21 +158,20 @@ class Hints(NamedTuple):
     """Roughly how many of the prompt's tokens no earlier request had (None: unknown)."""
 
 
-def route_hints(index: PrefixIndex | None, body: dict[str, Any], session: str | None) -> Hints:
-    """The affinity key and the uncached part of the prompt (``index`` None: no prefix reading at all)."""
-    found = prompt_bytes(body) if index is not None else None
-    prefix = index.read(found[0], newlines=found[1]) if index is not None and found is not None else None
-    uncached = None
-    if prefix is not None and found is not None:
-        uncached = (prefix.size - prefix.known) // (BYTES_PER_TOKEN if found[1] else 8)
+def route_hints(
+    index: PrefixIndex | None, body: dict[str, Any], session: str | None, *, count_uncached: bool = True
+) -> Hints:
+    """The affinity key and the uncached part of the prompt (``index`` None: no prefix reading at all).
+    ``count_uncached`` False: only the key is wanted, so a conversation named by the session header or the
+    body's ``user`` is routed without reading its prompt."""
+    named = None
     if session:
-        return Hints(key=f"session:{session}", uncached_tokens=uncached)
-    user = body.get("user")
-    if isinstance(user, str) and user:
-        return Hints(key=f"user:{user}", uncached_tokens=uncached)
-    return Hints(key=f"prefix:{prefix.key:x}" if prefix is not None else None, uncached_tokens=uncached)
-
-
-def affinity_key(index: PrefixIndex, body: dict[str, Any], session: str | None) -> str | None:
-    """What the affinity policies route by (see ``Hints.key``)."""
-    return route_hints(index, body, session).key
+        named = f"session:{session}"
+    elif isinstance(user := body.get("user"), str) and user:
+        named = f"user:{user}"
+    found = prompt_bytes(body) if index is not None and (named is None or count_uncached) else None
+    if index is None or found is None:
+        return Hints(key=named, uncached_tokens=None)
+    prefix = index.read(found[0], newlines=found[1])
+    uncached = (prefix.size - prefix.known) // (BYTES_PER_TOKEN if found[1] else 8)
+    return Hints(key=named or f"prefix:{prefix.key:x}", uncached_tokens=uncached)

@@ -108,7 +108,8 @@ class OpenAIRoutes:
             target = scope["raw_path"] if scope.get("raw_path") else path.encode()
             if query:
                 target += b"?" + query
-            hints = route_hints(self._prefixes, body, client.session) if self._read_prompts else _NO_HINTS
+            hints = (route_hints(self._prefixes, body, client.session, count_uncached=self._pd_min_prompt_tokens > 0)
+                     if self._read_prompts else _NO_HINTS)  # fmt: skip
             request = _Request(path=path, target=target, model=model, head=header_lines(client.forwarded),
                                affinity=hints.key if self._affinity else None,
                                uncached_tokens=hints.uncached_tokens)  # fmt: skip
@@ -137,7 +138,6 @@ class OpenAIRoutes:
                   avoid: tuple[NodeState, ...] = ()) -> tuple[str, Exchange]:  # fmt: skip
         """The flow for this request and body: ("disagg" or "mixed", what runs it)."""
         pool, model, head = self._pool, request.model, request.head
-        roles = _MIXED_ROLES
         if request.path in GENERATE_ROUTES and pool.candidates(Role.PREFILL, model) and \
                 pool.candidates(Role.DECODE, model):  # fmt: skip
             uncached = request.uncached_tokens
@@ -151,8 +151,8 @@ class OpenAIRoutes:
                                         affinity=request.affinity, avoid=avoid)  # fmt: skip
 
             return "disagg", disaggregated
-        self._check_routable(model, roles)
-        return "mixed", self._one_leg(request, raw, roles, avoid)
+        self._check_routable(model, _MIXED_ROLES)
+        return "mixed", self._one_leg(request, raw, _MIXED_ROLES, avoid)
 
     def _one_leg(self, request: _Request, raw: bytes, roles: tuple[Role, ...],
                  avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip

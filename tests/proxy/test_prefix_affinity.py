@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm_etcd_proxy.fleet.records import Node, Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.affinity import BLOCK, PrefixIndex, affinity_key, prompt_bytes
+from vllm_etcd_proxy.proxy.routing.affinity import BLOCK, PrefixIndex, prompt_bytes, route_hints
 from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _unit
 
 PREAMBLE = "You are a helpful assistant. Follow the house rules below. " * 200  # ~12 KB, shared by every session
@@ -39,7 +39,7 @@ def test_every_turn_of_a_conversation_has_the_same_key_and_conversations_differ(
         keys: dict[int, set[str | None]] = {}
         for turns in range(1, 7):
             for session in range(8):
-                keys.setdefault(session, set()).add(affinity_key(index, build(session, turns), None))
+                keys.setdefault(session, set()).add(route_hints(index, build(session, turns), None).key)
         # The very first request cannot know the preamble is shared: session 0's first turn is keyed on the
         # preamble. From the second session on, a replica knows, and every turn has its conversation's key.
         assert len(keys[0]) == 2
@@ -51,22 +51,22 @@ def test_a_preamble_longer_than_each_sessions_own_part_does_not_merge_sessions()
     index = PrefixIndex()
     long_preamble = "x" * (50 * BLOCK)
     for turns in (1, 2, 3):
-        keys = {affinity_key(index, chat(s, turns, long_preamble), None) for s in range(16)}
+        keys = {route_hints(index, chat(s, turns, long_preamble), None).key for s in range(16)}
     assert len(keys) == 16
 
 
 def test_token_id_prompts_are_keyed_like_text() -> None:
     index = PrefixIndex()
     shared = list(range(1000, 1400))
-    keys = [{affinity_key(index, {"prompt": shared + [s] * 40 + [7] * turn}, None) for turn in range(3)}
+    keys = [{route_hints(index, {"prompt": shared + [s] * 40 + [7] * turn}, None).key for turn in range(3)}
             for s in range(5)]  # fmt: skip
     assert all(len(k) == 1 for k in keys[1:]) and len({next(iter(k)) for k in keys[1:]}) == 4
 
 
 def test_a_session_header_or_user_wins() -> None:
     index = PrefixIndex()
-    assert affinity_key(index, chat(1, 1), "abc") == "session:abc"
-    assert affinity_key(index, {**chat(1, 1), "user": "u1"}, None) == "user:u1"
+    assert route_hints(index, chat(1, 1), "abc").key == "session:abc"
+    assert route_hints(index, {**chat(1, 1), "user": "u1"}, None).key == "user:u1"
 
 
 def nodes(count: int) -> list[NodeState]:
