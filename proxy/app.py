@@ -115,6 +115,8 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     # Probes and the admin API: a few requests per node and minute.
     client = stateless_client(timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False)
     http = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=settings.max_connections)
+    # The load scrapes' own connections (one per node): a node busy up to --max-connections is still scraped.
+    scrapes = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=1)
     if transport is None:
         transport = http
     chosen = dict(settings.policies)
@@ -133,14 +135,16 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         async def prune_connections() -> None:
             while True:
                 await asyncio.sleep(CLIENT_PRUNE_INTERVAL)
-                http.prune({s.node.url for s in pool.all()})
+                live = {s.node.url for s in pool.all()}
+                http.prune(live)
+                scrapes.prune(live)
 
         tasks = [asyncio.create_task(prober.run(), name="model-prober"),
                  asyncio.create_task(ejector.run(), name="ejection-prober"),
                  asyncio.create_task(prune_connections(), name="connection-pruner"),
                  asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag")]  # fmt: skip
         if settings.scrape_load > 0:
-            watcher = LoadWatcher(pool, client, settings.scrape_load, backend_auth)
+            watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
             discovery = Discovery(etcd, layout, pool.apply, discovery_state)
@@ -159,6 +163,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
                 await etcd.close()
             await client.aclose()
             http.close()
+            scrapes.close()
 
     async def list_models(request: Request) -> Response:
         keys.check(request.headers.get("authorization"))

@@ -66,8 +66,10 @@ def test_node_state_is_written_by_the_pool_alone() -> None:
                 node, ast.AugAssign) else []  # fmt: skip
             for target in targets:
                 for item in target.elts if isinstance(target, ast.Tuple) else [target]:
-                    if isinstance(item, ast.Attribute) and item.attr in names and not (
-                        isinstance(item.value, ast.Name) and item.value.id == "self"
+                    if (
+                        isinstance(item, ast.Attribute)
+                        and item.attr in names
+                        and not (isinstance(item.value, ast.Name) and item.value.id == "self")
                     ):
                         writes.add(f"{path.relative_to(ROOT)}:{item.lineno} .{item.attr}")
     assert not writes, f"write NodeState through Pool's methods: {sorted(writes)}"

@@ -5,7 +5,9 @@ A replica only knows its own in-flight requests; the node's ``vllm:num_requests_
 how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. The same
 goes for the node's speed: its mean time between output tokens over the last ``ITL_WINDOW`` seconds, from the
 ``vllm:inter_token_latency_seconds`` histogram's sum and count. Scraped every ``interval`` seconds
-(``--scrape-load``; a request per node per interval).
+(``--scrape-load``; a request per node per interval) through the data path's own HTTP client, on connections
+of its own: httpx spent about 0.9 ms of CPU per scrape, this about 0.03 ms (plus the page's parsing, ~0.1 ms),
+which matters when a replica scrapes a hundred nodes twice a second.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import logging
 import time
 from collections import deque
 
-import httpx
-
 from vllm_etcd_proxy.fleet.vllm import read_node_load, read_token_latency
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed
+from vllm_etcd_proxy.proxy.serving.transport import Origin, Transport, UpstreamRequest
 
 log = logging.getLogger(__name__)
 
-SCRAPE_TIMEOUT = httpx.Timeout(2.0)
+SCRAPE_TIMEOUT = 2.0
+"""Seconds for a whole scrape; a node that takes longer keeps its last figures."""
 PARALLEL_SCRAPES = 32
 """Scrapes in flight at once, however many nodes there are."""
 ITL_WINDOW = 5.0
@@ -55,11 +58,11 @@ class TokenLatency:
 
 
 class LoadWatcher:
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, interval: float, headers: dict[str, str] | None) -> None:
+    def __init__(self, pool: Pool, transport: Transport, interval: float, headers: dict[str, str] | None) -> None:
         self._pool = pool
-        self._client = client
+        self._transport = transport
         self._interval = interval
-        self._headers = headers
+        self._head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode("latin-1")
         self._latency: dict[str, TokenLatency] = {}
 
     async def run(self) -> None:
@@ -73,18 +76,33 @@ class LoadWatcher:
             await asyncio.gather(*(self._scrape(s, limit) for s in states))
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
+    async def _fetch(self, url: str) -> bytes:
+        """The body of ``url``'s /metrics; raises ProxyError (or TimeoutError) when the node does not give it."""
+        request = UpstreamRequest(origin=Origin.of(url), path=b"/metrics", head=self._head, body=b"",
+                                  timeout=SCRAPE_TIMEOUT, idle_timeout=SCRAPE_TIMEOUT, method=b"GET")  # fmt: skip
+        async with asyncio.timeout(SCRAPE_TIMEOUT):
+            response = await self._transport.send(request)
+            try:
+                if response.status != 200:
+                    raise UpstreamFailed(f"/metrics answered {response.status}")
+                chunks = []
+                while chunk := await response.read():
+                    chunks.append(chunk)
+                return b"".join(chunks)
+            finally:
+                response.close()
+
     async def _scrape(self, state: NodeState, limit: asyncio.Semaphore) -> None:
         async with limit:
             try:
-                url = f"{state.node.url}/metrics"
-                response = await self._client.get(url, timeout=SCRAPE_TIMEOUT, headers=self._headers)
-                response.raise_for_status()
-                parsed = read_node_load(response.content)
-                latency = read_token_latency(response.content)
-            except httpx.HTTPError as exc:
-                log.debug("load scrape failed node=%s error=%s", state.node.node_id, type(exc).__name__)
+                page = await self._fetch(state.node.url)
+            except (ProxyError, TimeoutError) as exc:
+                log.debug("load scrape failed node=%s error=%s", state.node.node_id, exc)
                 return
-        self._pool.set_load(state, *(parsed or (0, 0, 0.0)))
+            parsed = read_node_load(page)
+            latency = read_token_latency(page)
+        now = time.monotonic()
+        self._pool.set_load(state, *(parsed or (0, 0, 0.0)), at=now)
         if latency is not None:
             tracker = self._latency.setdefault(state.entry_key, TokenLatency())
-            self._pool.set_token_latency(state, tracker.add(time.monotonic(), *latency))
+            self._pool.set_token_latency(state, tracker.add(now, *latency))

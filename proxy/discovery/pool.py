@@ -35,6 +35,8 @@ class NodeState:
     """The node's KV-cache usage, 0 to 1, from its /metrics when --scrape-load is on."""
     node_itl: float | None = None
     """The node's recent mean seconds between output tokens, from its /metrics (None: not known yet)."""
+    load_at: float | None = None
+    """``time.monotonic()`` of the last successful scrape of the node's /metrics (None: never)."""
     served: int = 0
     """Requests completed through this replica (any outcome)."""
     failures: int = 0
@@ -149,9 +151,10 @@ class Pool:
         state.in_flight -= 1
         state.served += 1
 
-    def set_load(self, state: NodeState, running: int, waiting: int, kv_usage: float) -> None:
-        """The node's own figures from its /metrics (every replica's requests, not only ours)."""
+    def set_load(self, state: NodeState, running: int, waiting: int, kv_usage: float, at: float) -> None:
+        """The node's own figures from its /metrics (every replica's requests, not only ours), scraped at ``at``."""
         state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
+        state.load_at = at
 
     def set_token_latency(self, state: NodeState, seconds: float | None) -> None:
         """The node's recent mean time between output tokens (its speed; None until known)."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,20 @@ def worker_view(state: NodeState) -> dict[str, Any]:
         "consecutive_failures": state.failures,
         "source": node.source.value,
         "labels": dict(node.labels),
+        "node_load": _node_load(state),
+    }
+
+
+def _node_load(state: NodeState) -> dict[str, Any] | None:
+    """What the last scrape of the node's /metrics said (--scrape-load), and how old it is; None if never."""
+    if state.load_at is None:
+        return None
+    return {
+        "running": state.node_running,
+        "waiting": state.node_waiting,
+        "kv_cache_usage": state.kv_usage,
+        "inter_token_latency_seconds": state.node_itl,
+        "age_seconds": round(time.monotonic() - state.load_at, 3),
     }
 
 

@@ -41,8 +41,9 @@ class Origin:
 
 
 class UpstreamRequest(NamedTuple):
-    """One POST to a node. ``head`` holds the request's header lines (each ending in CRLF) other than Host and
-    Content-Length, which the transport adds."""
+    """One request to a node: a POST of the data path, or a GET of the control plane (``method``, no body).
+    ``head`` holds the request's header lines (each ending in CRLF) other than Host and Content-Length, which the
+    transport adds."""
 
     origin: Origin
     path: bytes
@@ -52,6 +53,7 @@ class UpstreamRequest(NamedTuple):
     """Seconds until the response headers."""
     idle_timeout: float
     """Longest gap between two reads of the response body."""
+    method: bytes = b"POST"
 
 
 class UpstreamResponse(Protocol):
@@ -104,9 +106,13 @@ class HttpTransport:
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         pool = self._pool(request.origin)
         origin = request.origin
-        wire = b"".join((b"POST ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header,
-                         b"\r\ncontent-length: ", str(len(request.body)).encode(), b"\r\n", request.head, b"\r\n",
-                         request.body))  # fmt: skip
+        if request.method == b"POST":
+            wire = b"".join((b"POST ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header,
+                             b"\r\ncontent-length: ", str(len(request.body)).encode(), b"\r\n", request.head,
+                             b"\r\n", request.body))  # fmt: skip
+        else:
+            wire = b"".join((request.method, b" ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header, b"\r\n",
+                             request.head, b"\r\n"))  # fmt: skip
         conn = pool.take_idle()
         if conn is not None:
             try:

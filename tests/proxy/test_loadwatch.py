@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
 import pytest
 
+from tests.support.procs import wait_until
+from tests.support.proxy_proc import ProxyProc
+from tests.support.sim_node import SimNode
 from vllm_etcd_proxy.fleet.vllm import read_node_load, read_token_latency
 from vllm_etcd_proxy.proxy.discovery.loadwatch import ITL_WINDOW, MIN_TOKENS, TokenLatency
 
@@ -52,3 +61,41 @@ def test_too_few_tokens_keep_the_last_figure_and_a_restart_starts_over() -> None
     assert latency.add(later, 1.0 + 0.1 * (MIN_TOKENS - 1), 100.0 + MIN_TOKENS - 1) == pytest.approx(0.01)
     latency.add(later + 1, 0.02, 1.0)  # counters went back: the node restarted
     assert latency.add(later + 2, 0.02 + 0.002 * MIN_TOKENS, 1.0 + MIN_TOKENS) == pytest.approx(0.002)
+
+
+def test_a_replica_scrapes_each_nodes_load_and_speed_and_lists_them(tmp_path: Path) -> None:
+    with SimNode(tmp_path, "scraped", itl=0.004, output_len=4 * MIN_TOKENS) as node:
+        replica = ProxyProc(tmp_path, "--mixed", node.host_port, "--scrape-load", "0.1")
+        try:
+            replica.wait_routable("mixed", node.host_port)
+
+            def load() -> dict[str, Any] | None:
+                view: dict[str, Any] | None = replica.workers()[0]["node_load"]
+                return view
+
+            wait_until(lambda: load() is not None, 10, "a first scrape")
+            first = load()
+            assert first is not None and first["running"] == 0 and first["inter_token_latency_seconds"] is None
+            # Enough tokens for a speed figure, then one request held on the node: the replica sees it running.
+            body = {"model": "sim-model", "prompt": "x", "max_tokens": 2 * MIN_TOKENS}
+            assert replica.post("/v1/completions", json=body).status_code == 200
+            node.configure(hang=True)
+            held = threading.Thread(target=_send_and_give_up, args=(replica.url, body), daemon=True)
+            held.start()
+
+            def running_and_speed_known() -> bool:
+                view = load()
+                return view is not None and view["running"] == 1 and view["inter_token_latency_seconds"] is not None
+
+            wait_until(running_and_speed_known, 10, "the held request and the node's speed in /list_workers")
+            view = load()
+            assert view is not None and view["inter_token_latency_seconds"] == pytest.approx(0.004, rel=0.5)
+            assert view["age_seconds"] < 5
+            held.join(timeout=10)
+        finally:
+            replica.stop()
+
+
+def _send_and_give_up(url: str, body: dict[str, Any]) -> None:
+    with contextlib.suppress(httpx.TimeoutException):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=3)
