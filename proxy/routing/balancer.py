@@ -12,7 +12,7 @@ import hashlib
 import itertools
 import math
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
@@ -62,13 +62,18 @@ class RoundRobin:
 
 
 class LeastLoad(RoundRobin):
-    """Least load; round-robin among equals so ties spread evenly."""
+    """Least load (``measure``, by default ``load``); round-robin among equals so ties spread evenly."""
 
     name = "least-load"
 
+    def __init__(self, measure: Callable[[NodeState], int] = load) -> None:
+        super().__init__()
+        self._measure = measure
+
     def _among(self, pool: Sequence[NodeState]) -> Sequence[NodeState]:
-        least = min(load(s) for s in pool)
-        return [s for s in pool if load(s) == least]
+        loads = [self._measure(s) for s in pool]
+        least = min(loads)
+        return [s for s, n in zip(pool, loads, strict=True) if n == least]
 
 
 class PowerOfTwo:
@@ -197,7 +202,7 @@ class CacheAware:
     def __init__(self, epsilon: float = 0.5, slack: int = 2) -> None:
         self._epsilon = epsilon
         self._slack = slack
-        self._turn = itertools.count()
+        self._fallback = LeastLoad(node_load)
         self._node_hashes: dict[str, int] = {}
 
     def _node_hash(self, state: NodeState) -> int:
@@ -213,13 +218,9 @@ class CacheAware:
         self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
     ) -> NodeState | None:
         pool = _untried(candidates, tried)
-        if len(pool) <= 1:
-            return pool[0] if pool else None
+        if key is None or len(pool) <= 1:
+            return self._fallback.choose(pool)
         loads = [node_load(s) for s in pool]
-        if key is None:
-            least = min(loads)
-            ties = sorted((s for s, n in zip(pool, loads, strict=True) if n == least), key=lambda s: s.node.url)
-            return ties[next(self._turn) % len(ties)]
         weights = speed_weights(pool)
         # A node's fair load is its weight's share of the total: a slow node is overloaded sooner.
         fair = (1 + self._epsilon) * sum(loads) / sum(weights)

@@ -101,6 +101,17 @@ def test_cache_aware_moves_a_key_only_off_a_really_overloaded_node_and_all_repli
     assert CacheAware().choose(pool, key=key) is not home
 
 
+def test_cache_aware_sends_a_request_without_key_to_the_least_loaded_node_as_every_replica_sees_it() -> None:
+    pool = nodes(3)
+    pool[0].node_running, pool[1].node_running, pool[2].node_running = 5, 1, 1  # scraped: all replicas' requests
+    pool[2].in_flight = 3  # this replica's own, newer than the last scrape
+    policy = CacheAware()
+    assert {policy.choose(pool).node.node_id for _ in range(4)} == {"n1:1"}  # type: ignore[union-attr]
+    pool[2].in_flight = 1
+    picks = Counter(policy.choose(pool).node.node_id for _ in range(6))  # type: ignore[union-attr]
+    assert picks == {"n1:1": 3, "n2:1": 3}  # equals take turns
+
+
 def test_the_known_part_of_a_prompt_reaches_past_a_shared_preamble_into_the_conversations_own_turns() -> None:
     index = PrefixIndex()
     for session in range(3):  # the preamble is shared
