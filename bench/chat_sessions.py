@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.chat_report import Phase, render, summarise
-from bench.procs import Fleet, Server, code_version, machine, machine_cpu_seconds, report_and_exit_status
+from bench.procs import (
+    Fleet,
+    Server,
+    add_run_flags,
+    code_version,
+    machine,
+    machine_cpu_seconds,
+    parse_quick,
+    report_and_exit_status,
+)
 from bench.sessions import Target, Workload, pinned, round_robin, run_loop, run_sessions
 
 MODEL = "sim-model"
@@ -49,14 +58,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--ramp", type=float, help="seconds over which the first sessions start (default: one turn's duration, "
         "ttft + max_tokens x itl, so that requests do not go out in bursts)")  # fmt: skip
     add("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
-    add("--quick", action="store_true", help="a small run for a smoke test (" +
-        ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")  # fmt: skip
-    add("--json", action="store_true", help="print the figures as JSON instead of a table")
-    add("--logs", type=Path, help="keep the node and proxy logs in this directory")
-    args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    add_run_flags(p, QUICK, "a small run for a smoke test")
+    args = parse_quick(p, argv, QUICK)
     if args.ramp is None:
         args.ramp = args.ttft + args.max_tokens * args.itl
     if min(args.sessions, args.turns, args.concurrency, args.rounds, args.nodes, args.max_tokens) < 1:
@@ -148,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    return report_and_exit_status(lambda: run(args), render, as_json=args.json)
+    return report_and_exit_status(lambda: run(args), render, as_json=args.json, save=args.save)
 
 
 if __name__ == "__main__":

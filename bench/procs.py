@@ -6,6 +6,7 @@ kills the node and proxy too, so no run leaves a server behind.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -172,6 +173,26 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
+
+
+def add_run_flags(parser: argparse.ArgumentParser, quick: Mapping[str, object], quick_help: str) -> None:
+    """The flags every session benchmark has: --quick (``quick_help``, then the values it sets), --json, --save,
+    --logs. ``parse_quick`` applies --quick."""
+    add = parser.add_argument
+    add("--quick", action="store_true", help=f"{quick_help} (" + ", ".join(f"{k}={v}" for k, v in quick.items()) + ")")
+    add("--json", action="store_true", help="print the figures as JSON instead of tables")
+    add("--save", type=Path, help="also write the JSON report to this file")
+    add("--logs", type=Path, help="keep the servers' logs in this directory")
+
+
+def parse_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                quick: Mapping[str, object]) -> argparse.Namespace:  # fmt: skip
+    """Parse ``argv``; with --quick, ``quick``'s values replace the ones given."""
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in quick.items():
+            setattr(args, key, value)
+    return args
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -22,7 +22,16 @@ from typing import Any
 import httpx
 
 from bench.load import CLIENT_MODES, Generator, Phase, Result, Target, completion_body
-from bench.procs import Fleet, Server, code_version, machine, machine_cpu_seconds, report_and_exit_status
+from bench.procs import (
+    Fleet,
+    Server,
+    add_run_flags,
+    code_version,
+    machine,
+    machine_cpu_seconds,
+    parse_quick,
+    report_and_exit_status,
+)
 from bench.report import Scenario, Totals, all_succeeded, headline, render, scenario_summary
 
 MODEL = "sim-model"
@@ -58,14 +67,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--itl", type=float, default=0.0, help="the node's seconds between tokens (default 0)")
     add("--phase-timeout", type=float, default=120.0, help="seconds per phase before the unfinished requests count "
         "as failed (default 120)")  # fmt: skip
-    add("--quick", action="store_true", help="small numbers for a smoke test (" +
-        ", ".join(f"{k}={v}" for k, v in QUICK.items()) + ")")  # fmt: skip
-    add("--json", action="store_true", help="print the figures as JSON instead of a table")
-    add("--logs", type=Path, help="keep the node and proxy logs in this directory")
-    args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    add_run_flags(p, QUICK, "small numbers for a smoke test")
+    args = parse_quick(p, argv, QUICK)
     counts = (args.requests, args.concurrency, args.tokens, args.stream_requests, args.stream_tokens, args.rounds,
               args.processes)  # fmt: skip
     if min(counts) < 1 or args.serial_requests < 0 or args.processes > args.concurrency:
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    return report_and_exit_status(lambda: run(args), render, as_json=args.json)
+    return report_and_exit_status(lambda: run(args), render, as_json=args.json, save=args.save)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chat_sessions import placement
-from bench.procs import code_version, machine, report_and_exit_status
+from bench.procs import add_run_flags, code_version, machine, parse_quick, report_and_exit_status
 from bench.routing_fleet import DEFAULT_VLLM_ROUTER, Frontend, LoadSample, NodeSpec, NodeTimings, Stack, sample_load
 from bench.routing_plan import SESSION_HEADER, Router, Scenario, cache_blocks, routers_in, scenarios
 from bench.routing_report import Outcome, judge, render, summarise
@@ -81,15 +81,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--vllm-router", type=Path, default=DEFAULT_VLLM_ROUTER, help=f"the binary (default {DEFAULT_VLLM_ROUTER})")
     add("--seed", type=int, default=0)
     add("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
-    add("--quick", action="store_true", help="a smoke run: a few routers, " + ", ".join(f"{k}={v}" for k, v in
-        QUICK.items()))  # fmt: skip
-    add("--json", action="store_true", help="print the figures as JSON instead of tables")
-    add("--save", type=Path, help="also write the JSON report to this file")
-    add("--logs", type=Path, help="keep the servers' logs in this directory")
-    args = p.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    add_run_flags(p, QUICK, "a smoke run: a few routers")
+    args = parse_quick(p, argv, QUICK)
     if args.scenarios is None:
         args.scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
     if min(args.sessions, args.turns, args.concurrency, args.max_tokens, *args.replicas, *args.router_replicas) < 1:

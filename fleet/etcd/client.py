@@ -71,7 +71,7 @@ class EtcdClient:
                 continue
             log.info("etcd connected endpoint=%s", endpoint)
             if self.settings.user is not None:
-                await self._metadata()
+                await self.call_metadata()
             return
         tried = ", ".join(failures)
         raise EtcdUnavailable(f"no etcd endpoint answered within {self.settings.timeout}s: {tried}")
@@ -86,7 +86,9 @@ class EtcdClient:
     # Channels: one shared by unary calls; each stream opens its own, so failing over never cancels a
     # call that another task is still awaiting (grpc.aio turns that into a CancelledError).
 
-    def _new_channel(self, endpoint: str) -> Any:
+    def new_channel(self, endpoint: str) -> Any:
+        """A new gRPC channel to ``endpoint`` with the client's keepalive and TLS settings (streams.py opens one per
+        stream)."""
         s = self.settings
         target, tls = grpc_target(endpoint)
         options = [
@@ -106,11 +108,15 @@ class EtcdClient:
             return grpc.aio.secure_channel(target, credentials, options=options)
         return grpc.aio.insecure_channel(target, options=options)
 
+    def forget_token(self) -> None:
+        """Drop the auth token (etcd rejected it): the next call authenticates again."""
+        self._token = None
+
     def _use(self, index: int) -> None:
         if self._channel is not None:
             self._retire(self._channel)
         self._index = index
-        self._channel = self._new_channel(self.current_endpoint)
+        self._channel = self.new_channel(self.current_endpoint)
         self._token = None  # etcd's simple tokens are valid on the member that issued them only
 
     def _retire(self, channel: Any) -> None:
@@ -118,7 +124,7 @@ class EtcdClient:
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
-    def _failed(self, endpoint: str, *, answered: bool = False) -> None:
+    def endpoint_failed(self, endpoint: str, *, answered: bool = False) -> None:
         """Move on to the next endpoint, skipping members unreachable lately (a fresh connection even when there
         is only one). ``answered``: the member is up but could not serve (no leader: an election, or this member
         is cut off from the others), so it is left without being marked unreachable. Several tasks report
@@ -134,7 +140,8 @@ class EtcdClient:
         reachable = [i for i in following if now - self._unreachable_at.get(i, -recent) >= recent]
         self._use(reachable[0] if reachable else min(following, key=lambda i: self._unreachable_at.get(i, 0.0)))
 
-    async def _metadata(self) -> list[tuple[str, str]]:
+    async def call_metadata(self) -> list[tuple[str, str]]:
+        """The metadata a call carries: the auth token, fetched first if the client has none."""
         if self.settings.user is None:
             return []
         async with self._auth_lock:
@@ -161,7 +168,7 @@ class EtcdClient:
                 self._use(self._index)
             endpoint = self.current_endpoint
             try:
-                metadata = await self._metadata() if auth else []
+                metadata = await self.call_metadata() if auth else []
                 return await self._once(self._channel, method, request, reply, metadata)
             except grpc.aio.AioRpcError as exc:
                 if auth and bad_token(exc) and not reauthenticated:
@@ -172,13 +179,13 @@ class EtcdClient:
                     raise translate(exc, endpoint) from None
                 if member_answered(exc) and time.monotonic() + delay < patience:
                     log.info("etcd cannot serve yet endpoint=%s method=%s: %s", endpoint, method, exc.details())
-                    self._failed(endpoint, answered=True)
+                    self.endpoint_failed(endpoint, answered=True)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)
                     continue
                 failures += 1
                 log.warning("etcd call failed endpoint=%s method=%s code=%s", endpoint, method, exc.code())
-                self._failed(endpoint)
+                self.endpoint_failed(endpoint)
                 if failures >= len(self.settings.endpoints):
                     raise translate(exc, endpoint) from None
 

@@ -43,27 +43,27 @@ _BROKEN = (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError, EtcdUn
 @contextlib.asynccontextmanager
 async def _stream(client: EtcdClient, method: str, request: type[Message], reply: type[Message]) -> AsyncIterator[Any]:
     """One stream on a new channel to the client's current endpoint; the channel closes on the way out."""
-    channel = client._new_channel(client.current_endpoint)
+    channel = client.new_channel(client.current_endpoint)
     try:
         serialize, parse = request.SerializeToString, reply.FromString
         stream = channel.stream_stream(method, request_serializer=serialize, response_deserializer=parse)
-        yield stream(metadata=[*await client._metadata(), _REQUIRE_LEADER])
+        yield stream(metadata=[*await client.call_metadata(), _REQUIRE_LEADER])
     finally:
         await channel.close()
 
 
 def _failed(client: EtcdClient, exc: BaseException, endpoint: str) -> None:
     """Account a broken stream: a rejected token is dropped, a failure worth retrying moves the client on to
-    another member (not away from one that answered, see ``EtcdClient._failed``), anything else is raised."""
+    another member (not away from one that answered, see ``EtcdClient.endpoint_failed``), anything else is raised."""
     if isinstance(exc, grpc.aio.AioRpcError):
         if bad_token(exc):
-            client._token = None
+            client.forget_token()
             return
         if not transient(exc):
             raise translate(exc, endpoint) from None
-        client._failed(endpoint, answered=member_answered(exc))
+        client.endpoint_failed(endpoint, answered=member_answered(exc))
         return
-    client._failed(endpoint)
+    client.endpoint_failed(endpoint)
 
 
 async def keep_alive(
