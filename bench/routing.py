@@ -79,6 +79,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "the shared preamble plus twice a node's fair share of the running sessions; see routing_plan.py)")  # fmt: skip
     add("--slow-factor", type=float, default=3.0, help="how much slower the slow node is (3)")
     add("--vllm-router", type=Path, default=DEFAULT_VLLM_ROUTER, help=f"the binary (default {DEFAULT_VLLM_ROUTER})")
+    add("--scrape-load", type=float, default=0.25, help="the replicas' --scrape-load (0.25; vllm-proxy's own "
+        "default is 0.5)")  # fmt: skip
     add("--seed", type=int, default=0)
     add("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
     add_run_flags(p, QUICK, "a smoke run: a few routers")
@@ -183,7 +185,8 @@ def measure(args: argparse.Namespace, scenario: Scenario, router: Router, tag: s
     logs = args.logs / tag if args.logs else None
     proxy_cpus = set(where["proxy_cpus"]) if where["pinned"] else None
     with Stack(specs, frontend, cache_blocks=blocks, block_size=args.block_size, output_len=args.max_tokens,
-               proxy_cpus=proxy_cpus, vllm_router=args.vllm_router, logs=logs) as stack:  # fmt: skip
+               proxy_cpus=proxy_cpus, vllm_router=args.vllm_router, logs=logs,
+               scrape_load=args.scrape_load) as stack:  # fmt: skip
         pids.update({f"{tag}/{name}": pid for name, pid in stack.pids.items()})
         cpu0 = stack.cpu()
         target = with_request_ids(target_for(router, stack), tag)

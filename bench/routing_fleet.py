@@ -133,12 +133,13 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
 
     def __init__(
         self, nodes: Sequence[NodeSpec], frontend: Frontend, *, cache_blocks: int, block_size: int,
-        output_len: int, proxy_cpus: set[int] | None, vllm_router: Path, logs: Path | None,
+        output_len: int, proxy_cpus: set[int] | None, vllm_router: Path, logs: Path | None, scrape_load: float = 0.25,
     ) -> None:  # fmt: skip
         self._fleet = Fleet(keep_logs=logs)
         self._frontend = frontend
         self._proxy_cpus = proxy_cpus
         self._vllm_router = vllm_router
+        self._scrape_load = scrape_load
         self._node_args = {"cache_blocks": cache_blocks, "block_size": block_size, "output_len": output_len}
         self.specs = list(nodes)
         self.nodes: list[Server] = []
@@ -168,7 +169,7 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
             server: Server
             if front.kind == "proxy":
                 pools = [arg for role, hosts in by_role.items() if hosts for arg in (f"--{role}", *hosts)]
-                args = [*pools, "--model", MODEL, "--log-level", "warning", "--scrape-load", "0.25",
+                args = [*pools, "--model", MODEL, "--log-level", "warning", "--scrape-load", str(self._scrape_load),
                         "--policy", front.policy, *front.extra]  # fmt: skip
                 server = fleet.start(f"proxy{i}", "vllm_etcd_proxy.proxy", args, "/ready")
                 ready.append((server, "/ready"))

@@ -304,8 +304,8 @@ def render(report: Mapping[str, Any]) -> str:
         f"nodes: ttft {c['ttft']:g} s + {c['prefill_per_token']:g} s per uncached prompt token, itl {c['itl']:g} s, "
         f"{c['max_tokens']} tokens per answer, prefix cache of blocks of {c['block_size']} tokens (size per scenario)",
         f"workload: {c['sessions']} sessions x {c['turns']} turns, {c['concurrency']} at a time, think time "
-        f"{c['think']:g}-{c['think'] + c['think_jitter']:g} s (seeded); proxies: --scrape-load 0.25; requests "
-        "alternate over a router's replicas",
+        f"{c['think']:g}-{c['think'] + c['think_jitter']:g} s (seeded); proxies: --scrape-load "
+        f"{c.get('scrape_load', 0.25):g}; requests alternate over a router's replicas",
         f"placement: {report['placement']['text']}",
         f"machine: {m['cpus']} CPUs, Python {m['python']}, {m['date']}; load average {m['loadavg_start']} at "
         f"start, {m['loadavg_end']} at end; {report['wall_s']:.0f} s in all",
