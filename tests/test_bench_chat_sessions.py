@@ -30,11 +30,14 @@ def test_quick_chat_bench_every_request_succeeds_and_every_session_runs_all_turn
         assert x["tokens"] == x["ok"] * config["max_tokens"], side
 
 
-def test_quick_chat_bench_spreads_requests_over_every_node_on_both_sides(report: dict[str, Any]) -> None:
+def test_quick_chat_bench_names_every_answers_node_and_spreads_sessions_on_both_sides(report: dict[str, Any]) -> None:
+    summary, nodes = report["summary"], report["config"]["nodes"]
     for side in SIDES:
-        by_node = report["summary"][side]["requests_by_node"]
-        assert len(by_node) == report["config"]["nodes"], (side, by_node)
-        assert "?" not in by_node, "a response without the x-sim-node header"
+        assert "?" not in summary[side]["requests_by_node"], "a response without the x-sim-node header"
+    assert len(summary["direct"]["requests_by_node"]) == nodes  # pinned: session % nodes
+    # Through the proxy, cache-aware places each conversation by its hash: 16 of them leave one of 4 nodes
+    # without any in about 4% of runs, but all on one node only in about one run in 10^9.
+    assert len(summary["proxy"]["requests_by_node"]) >= 2, summary["proxy"]["requests_by_node"]
 
 
 def test_quick_chat_bench_reports_ttft_latency_cpu_and_added_ttft(report: dict[str, Any]) -> None:
