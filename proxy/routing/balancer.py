@@ -203,16 +203,28 @@ class CacheAware:
         self._epsilon = epsilon
         self._slack = slack
         self._fallback = LeastLoad(node_load)
-        self._node_hashes: dict[str, int] = {}
+        self._hashes: dict[str, int] = {}
+        self._latencies: list[float | None] = []
+        self._weights: list[float] | None = None
 
-    def _node_hash(self, state: NodeState) -> int:
-        node_id = state.node.node_id
-        found = self._node_hashes.get(node_id)
+    def _hash(self, text: str) -> int:
+        """``_stable_hash``, remembered: node ids, and keys, which repeat with every turn of a conversation."""
+        found = self._hashes.get(text)
         if found is None:
-            if len(self._node_hashes) > 100_000:  # nodes come and go: keep the cache bounded
-                self._node_hashes.clear()
-            found = self._node_hashes[node_id] = _stable_hash(node_id)
+            if len(self._hashes) > 100_000:  # keys and nodes come and go: keep the table bounded
+                self._hashes.clear()
+            found = self._hashes[text] = _stable_hash(text)
         return found
+
+    def _speed_weights(self, pool: Sequence[NodeState]) -> list[float] | None:
+        """``speed_weights(pool)``, None when all are 1; computed again only when a latency figure changed
+        (they change with a scrape, not with a request)."""
+        latencies = [s.node_itl for s in pool]
+        if latencies != self._latencies:
+            weights = speed_weights(pool)
+            self._latencies = latencies
+            self._weights = None if all(w == 1.0 for w in weights) else weights
+        return self._weights
 
     def choose(
         self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
@@ -220,20 +232,26 @@ class CacheAware:
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool)
-        loads = [node_load(s) for s in pool]
-        weights = speed_weights(pool)
-        # A node's fair load is its weight's share of the total: a slow node is overloaded sooner.
-        fair = (1 + self._epsilon) * sum(loads) / sum(weights)
+        weights = self._speed_weights(pool)
         # Weighted rendezvous hashing: every replica ranks the nodes for a key alike; a node that leaves moves
-        # only the keys it ranked first, and a node whose weight falls loses only some of its own keys.
-        seed = _stable_hash(key)
-        scores = [
-            -weight / math.log(_unit(_mix(seed ^ self._node_hash(state))))
-            for state, weight in zip(pool, weights, strict=True)
-        ]
+        # only the keys it ranked first, and a node whose weight falls loses only some of its own keys. The
+        # score is -weight / ln(u) for the pair's draw u; when all weigh alike, the draws alone give its order.
+        seed, node_hash = self._hash(key), self._hash
+        draws = [_mix(seed ^ node_hash(s.node.node_id)) for s in pool]
+        scores: Sequence[float] = draws
+        if weights is not None:
+            scores = [-w / math.log(_unit(d)) for d, w in zip(draws, weights, strict=True)]
+        first = max(range(len(pool)), key=scores.__getitem__)
+        state = pool[first]
+        if state.kv_usage < self.KV_FULL and node_load(state) <= self._slack:
+            return state  # within the slack whatever the others carry: the usual case, decided in O(1) more
+        loads = [node_load(s) for s in pool]
+        # A node's fair load is its weight's share of the total: a slow node is overloaded sooner.
+        shares = weights or [1.0] * len(pool)
+        fair = (1 + self._epsilon) * sum(loads) / sum(shares)
         ranked = sorted(range(len(pool)), key=scores.__getitem__, reverse=True)
         for i in ranked:
-            if loads[i] <= fair * weights[i] + self._slack and pool[i].kv_usage < self.KV_FULL:
+            if loads[i] <= fair * shares[i] + self._slack and pool[i].kv_usage < self.KV_FULL:
                 return pool[i]
         return pool[min(ranked, key=loads.__getitem__)]
 
