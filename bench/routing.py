@@ -66,6 +66,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--ttft", type=float, default=0.01, help="the nodes' seconds to the first token, all cached (0.01)")
     add("--prefill-per-token", type=float, default=0.0002, help="seconds per uncached prompt token (0.0002)")
     add("--itl", type=float, default=0.005, help="seconds between tokens (0.005)")
+    add("--batch-slowdown", type=float, default=0.0, help="each other running sequence on a node makes its steps "
+        "this fraction longer (0: a node is as fast under load as idle)")  # fmt: skip
     add("--max-tokens", type=int, default=32, help="tokens per answer (32)")
     add("--think", type=float, default=0.0, help="least seconds between an answer and the next turn (0)")
     add("--think-jitter", type=float, default=0.05, help="plus up to this many seconds, seeded per turn (0.05)")
@@ -130,7 +132,8 @@ def workload(args: argparse.Namespace, scenario: Scenario) -> Workload:
 
 
 def node_specs(args: argparse.Namespace, scenario: Scenario) -> list[NodeSpec]:
-    healthy = NodeTimings(ttft=args.ttft, itl=args.itl, prefill_per_token=args.prefill_per_token)
+    healthy = NodeTimings(ttft=args.ttft, itl=args.itl, prefill_per_token=args.prefill_per_token,
+                          batch_slowdown=args.batch_slowdown)
     roles = ["prefill", "decode"] if scenario.pd else ["mixed"]
     per_role = args.nodes // len(roles)
     specs = [NodeSpec(name=f"{role}{i}", role=role, timings=healthy) for role in roles for i in range(per_role)]

@@ -35,10 +35,13 @@ class NodeTimings:
     itl: float
     prefill_per_token: float
     """Added to ttft per prompt token not in the node's prefix cache."""
+    batch_slowdown: float = 0.0
+    """Each other running sequence makes a step this fraction longer (vllm-sim --batch-slowdown)."""
 
     def scaled(self, factor: float) -> NodeTimings:
         return NodeTimings(ttft=self.ttft * factor, itl=self.itl * factor,
-                           prefill_per_token=self.prefill_per_token * factor)  # fmt: skip
+                           prefill_per_token=self.prefill_per_token * factor,
+                           batch_slowdown=self.batch_slowdown)  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +125,8 @@ def node_flags(spec: NodeSpec, *, cache_blocks: int, block_size: int, output_len
     t = spec.timings
     return [
         "--model", MODEL, "--node-id", spec.name, "--role", spec.role, "--ttft", f"{t.ttft:g}", "--itl", f"{t.itl:g}",
-        "--prefill-per-token", f"{t.prefill_per_token:g}", "--cache-blocks", str(cache_blocks),
+        "--prefill-per-token", f"{t.prefill_per_token:g}", "--batch-slowdown", f"{t.batch_slowdown:g}",
+        "--cache-blocks", str(cache_blocks),
         "--block-size", str(block_size), "--output-len", str(output_len), "--max-model-len", "16384",
         "--log-level", "warning",
     ]  # fmt: skip

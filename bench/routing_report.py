@@ -302,7 +302,9 @@ def render(report: Mapping[str, Any]) -> str:
         f"routing quality: {c['nodes']} vllm-sim nodes per run, restarted for every router (caches cold); code "
         f"{report['code']}",
         f"nodes: ttft {c['ttft']:g} s + {c['prefill_per_token']:g} s per uncached prompt token, itl {c['itl']:g} s, "
-        f"{c['max_tokens']} tokens per answer, prefix cache of blocks of {c['block_size']} tokens (size per scenario)",
+        f"{c['max_tokens']} tokens per answer, prefix cache of blocks of {c['block_size']} tokens (size per scenario)"
+        + (f"; each step {c['batch_slowdown']:g} x longer per other running sequence" if c.get("batch_slowdown")
+           else ""),
         f"workload: {c['sessions']} sessions x {c['turns']} turns, {c['concurrency']} at a time, think time "
         f"{c['think']:g}-{c['think'] + c['think_jitter']:g} s (seeded); proxies: --scrape-load "
         f"{c.get('scrape_load', 0.25):g}; requests alternate over a router's replicas",

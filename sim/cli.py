@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
         "--prefill-per-token", float, defaults.prefill_per_token,
         "seconds added to --ttft per prompt token not found in the prefix cache",
     )  # fmt: skip
+    add(
+        "--batch-slowdown", float, defaults.batch_slowdown,
+        "each other running sequence makes a prefill or token gap this fraction longer (0: load changes nothing)",
+    )  # fmt: skip
     add("--output-len", int, defaults.output_len, "answer length before a simulated EOS when max_tokens allows")
     add("--max-num-seqs", int, defaults.max_num_seqs, "concurrent sequences; more wait in a FIFO queue")
     add("--fail-rate", float, defaults.fail_rate, "fraction of requests answered with --fail-status")
@@ -82,8 +86,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--role must be one of {', '.join(Role)}")
     if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
         parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
-    if args.block_size < 1 or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens) < 0:
-        parser.error("need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens >= 0")
+    if args.block_size < 1 or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens,
+                                  args.batch_slowdown) < 0:  # fmt: skip
+        parser.error("need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, "
+                     "--batch-slowdown >= 0")  # fmt: skip
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -93,6 +99,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         ttft=args.ttft,
         itl=args.itl,
         prefill_per_token=args.prefill_per_token,
+        batch_slowdown=args.batch_slowdown,
         output_len=args.output_len,
         max_num_seqs=args.max_num_seqs,
         fail_rate=args.fail_rate,

@@ -4,7 +4,8 @@ records, counters.
 No HTTP here: app.py turns a request into a ``Job`` (its answer already decided by ``sim.tokens``) and iterates
 ``Engine.generate(job)``. A generation that is not iterated to its end (client gone, task cancelled) is recorded
 as cancelled and frees its slot at once. Time to the first token is ``ttft + uncached prompt tokens *
-prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a prefill node.
+prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a prefill node; with
+--batch-slowdown, each of these waits grows with the sequences running beside it.
 """
 
 from __future__ import annotations
@@ -204,15 +205,15 @@ class Engine:
                 self.counters["prefix_cache_queries"] = self.cache.queries
                 self.counters["prefix_cache_hits"] = self.cache.hits
                 uncached = len(job.prompt) - lease.hit_tokens
-                await asyncio.sleep(
+                await asyncio.sleep(self._batched(
                     self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
-                )
+                ))  # fmt: skip
                 self.counters["prompt_tokens"] += record.prompt_tokens
                 last = time.monotonic()
                 self.latencies.ttft.observe(last - arrived)
                 for i, token in enumerate(job.tokens):
                     if i:
-                        await asyncio.sleep(self.knobs.itl)
+                        await asyncio.sleep(self._batched(self.knobs.itl))
                         now = time.monotonic()
                         self.latencies.itl.observe(now - last)
                         last = now
@@ -235,6 +236,10 @@ class Engine:
             record.cancelled = outcome == "cancelled"
             self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
             self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+
+    def _batched(self, seconds: float) -> float:
+        """``seconds`` stretched by the other sequences running now (--batch-slowdown)."""
+        return seconds * (1.0 + self.knobs.batch_slowdown * max(0, self.slots.running - 1))
 
     async def _stall(self, record: Record, sent: int) -> None:
         """hang_after_tokens: after that many tokens send nothing more, keeping the connection and the slot,

@@ -16,6 +16,7 @@ class Knobs:
     ttft: float
     itl: float
     prefill_per_token: float
+    batch_slowdown: float
     output_len: int
     max_num_seqs: int
     fail_rate: float

@@ -41,6 +41,10 @@ class SimSettings:
     """Seconds between two generated tokens."""
     prefill_per_token: float = 0.0
     """Seconds added to ttft per prompt token not found in the prefix cache (0: ttft ignores the cache)."""
+    batch_slowdown: float = 0.0
+    """How much each other running sequence slows a step, as a batch slows vLLM's steps: a prefill or token gap
+    that takes t alone takes t x (1 + batch_slowdown x (running - 1)), running counted when it starts (0: load
+    changes nothing)."""
     output_len: int = 16
     """Length of an answer before the simulated EOS (finish_reason "stop") when max_tokens allows it; counted
     from the start of the answer, so a continuation ends where the original would (see sim/tokens.py)."""

@@ -247,6 +247,23 @@ async def test_mixed_node_ignores_kv_transfer_params(node: SimNode, client: http
 # ---- scheduling, faults, health, auth ----
 
 
+async def test_batch_slowdown_stretches_each_step_by_the_sequences_running_beside_it(sim_logs: Path) -> None:
+    with SimNode(sim_logs, ttft=0.0, itl=0.1, batch_slowdown=1.0) as node:
+        async with httpx.AsyncClient(timeout=30.0) as c:
+            payload = {"model": MODEL, "prompt": "x", "max_tokens": 4, "ignore_eos": True}
+
+            async def mean_gap(requests: int) -> float:
+                before = read_token_latency(node.metrics().encode()) or (0.0, 0.0)
+                calls = [c.post(f"{node.url}/v1/completions", json=payload) for _ in range(requests)]
+                assert all(r.status_code == 200 for r in await asyncio.gather(*calls))
+                total, count = read_token_latency(node.metrics().encode()) or (0.0, 0.0)
+                return (total - before[0]) / (count - before[1])
+
+            # Two at once: every gap waits 0.1 s x (1 + 1 x 1); a sleep is never shorter than asked.
+            assert await mean_gap(2) >= 0.19
+            assert await mean_gap(1) < 0.15  # alone: 0.1 s (generous: a busy machine only adds)
+
+
 async def test_max_num_seqs_queues_the_rest(sim_logs: Path) -> None:
     with SimNode(sim_logs, max_num_seqs=1, ttft=30.0) as busy:
         async with httpx.AsyncClient(timeout=30.0) as c:
