@@ -133,7 +133,6 @@ class Forwarder:
         self._policies = policies
         self._attempts = settings.max_attempts
         self._metrics = metrics
-        self._origins: dict[str, Origin] = {}
 
     def _candidates(self, leg: Leg) -> tuple[Role, list[NodeState]]:
         for role in leg.roles:
@@ -175,16 +174,10 @@ class Forwarder:
             raise last_error
         raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {leg.model!r}")
 
-    def _origin(self, url: str) -> Origin:
-        origin = self._origins.get(url)
-        if origin is None:
-            origin = self._origins[url] = Origin.of(url)
-        return origin
-
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
         timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
-        request = UpstreamRequest(origin=self._origin(node.url), path=leg.path, head=leg.head, body=leg.body,
+        request = UpstreamRequest(origin=Origin.of(node.url), path=leg.path, head=leg.head, body=leg.body,
                                   timeout=timeout, idle_timeout=self._idle)  # fmt: skip
         self._pool.request_started(state)
         try:

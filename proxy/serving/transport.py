@@ -13,6 +13,7 @@ Made for relaying streams, and nothing else (httpx serves the control plane):
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -32,12 +33,18 @@ class Origin:
     port: int
     host_header: bytes
 
-    @classmethod
-    def of(cls, url: str) -> Origin:
-        parts = urlsplit(url)
-        scheme, host = parts.scheme, parts.hostname or ""
-        port = parts.port or (443 if scheme == "https" else 80)
-        return cls(scheme=scheme, host=host, port=port, host_header=parts.netloc.encode("ascii"))
+    @staticmethod
+    def of(url: str) -> Origin:
+        """The origin of a node's ``url``; parsed once per URL (a bounded cache: nodes come and go)."""
+        return _parse_origin(url)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_origin(url: str) -> Origin:
+    parts = urlsplit(url)
+    scheme, host = parts.scheme, parts.hostname or ""
+    port = parts.port or (443 if scheme == "https" else 80)
+    return Origin(scheme=scheme, host=host, port=port, host_header=parts.netloc.encode("ascii"))
 
 
 class UpstreamRequest(NamedTuple):
