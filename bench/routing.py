@@ -91,6 +91,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.scenarios = QUICK_SCENARIOS if args.quick else SCENARIOS
     if min(args.sessions, args.turns, args.concurrency, args.max_tokens, *args.replicas, *args.router_replicas) < 1:
         p.error("--sessions, --turns, --concurrency, --max-tokens and replica counts must be >= 1")
+    if min(args.scrape_load, args.batch_slowdown) < 0:
+        p.error("--scrape-load and --batch-slowdown must be >= 0")
     if args.nodes < 2 or args.nodes % 2:
         p.error("--nodes must be even and >= 2 (the P/D scenario splits them)")
     return args
