@@ -38,7 +38,7 @@ Fetch = Callable[[bytes], Awaitable[int]]
 
 
 async def _transport_client(url: str, concurrency: int) -> tuple[Fetch, Callable[[], Awaitable[None]]]:
-    from vllm_etcd_proxy.proxy.serving.transport import HttpTransport, Origin, UpstreamRequest
+    from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Origin, UpstreamRequest
 
     transport = HttpTransport(connect_timeout=5, max_connections=concurrency * 2)
     origin = Origin.of(url)

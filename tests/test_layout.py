@@ -82,3 +82,54 @@ def test_no_module_is_much_over_three_hundred_lines() -> None:
         if "pb" not in p.relative_to(ROOT).parts and (n := len(p.read_text().splitlines())) > 320
     }
     assert not long, f"split these by concern: {sorted(long)}"
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Imports run when the module loads: module-level statements, not ``if TYPE_CHECKING:`` or function bodies."""
+    names: set[str] = set()
+    pending = list(ast.parse(path.read_text(), str(path)).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update({node.module} | {f"{node.module}.{alias.name}" for alias in node.names})
+        elif isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+            pending += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            pending += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return names
+
+
+def _proxy_import_graph() -> dict[str, set[str]]:
+    modules = {
+        NAMESPACE + "." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in _sources("proxy")
+    }
+    return {name: {m for m in _module_level_imports(path) if m in modules and m != name}
+            for name, path in modules.items()}  # fmt: skip
+
+
+def test_the_http_client_to_the_nodes_sits_below_serving_and_discovery() -> None:
+    graph = _proxy_import_graph()
+    upward = {f"{m} -> {d}" for m, deps in graph.items() for d in deps
+              if (".upstream" in m and any(f".{room}" in d for room in ("serving", "discovery", "routing", "operations")))
+              or (".discovery" in m and ".serving" in d)}  # fmt: skip
+    assert not upward, f"a room imports a room above it: {sorted(upward)}"
+
+
+def test_no_import_circles_among_the_proxy_modules() -> None:
+    graph = _proxy_import_graph()
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join([*path[path.index(name):], name]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

@@ -20,7 +20,7 @@ from collections import deque
 from vllm_etcd_proxy.fleet.vllm import read_node_load, read_token_latency
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed
-from vllm_etcd_proxy.proxy.serving.transport import Origin, Transport, UpstreamRequest
+from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest
 
 log = logging.getLogger(__name__)
 

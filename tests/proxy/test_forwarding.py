@@ -18,7 +18,7 @@ from tests.support.procs import HOST, free_port
 from vllm_etcd_proxy.proxy.app import ProxyApp, build_app
 from vllm_etcd_proxy.proxy.cli import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed
-from vllm_etcd_proxy.proxy.serving.transport import UpstreamRequest, UpstreamResponse
+from vllm_etcd_proxy.proxy.upstream.transport import UpstreamRequest, UpstreamResponse
 
 MODEL = "m"
 NODE_A, NODE_B = "127.0.0.1:1", "127.0.0.1:2"

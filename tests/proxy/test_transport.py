@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.procs import HOST
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.serving.transport import HttpTransport, Origin, UpstreamRequest
+from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Origin, UpstreamRequest
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[bool]]
 """Answers one request (its head and body given); returns False to close the connection afterwards."""

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.serving.connection import Connection
+from vllm_etcd_proxy.proxy.upstream.connection import Connection
 
 if TYPE_CHECKING:
-    from vllm_etcd_proxy.proxy.serving.transport import Origin
+    from vllm_etcd_proxy.proxy.upstream.transport import Origin
 
 KEEPALIVE_SECONDS = 4.0
 """Idle connections older than this are closed, not reused: vLLM's server (uvicorn) closes them after 5 s."""

@@ -20,8 +20,8 @@ from typing import NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed
-from vllm_etcd_proxy.proxy.serving.connection import Connection, Response
-from vllm_etcd_proxy.proxy.serving.connections import NodeConnections
+from vllm_etcd_proxy.proxy.upstream.connection import Connection, Response
+from vllm_etcd_proxy.proxy.upstream.connections import NodeConnections
 
 
 @dataclass(frozen=True, slots=True)

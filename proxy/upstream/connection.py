@@ -12,7 +12,7 @@ import httptools
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
 
 if TYPE_CHECKING:
-    from vllm_etcd_proxy.proxy.serving.connections import NodeConnections
+    from vllm_etcd_proxy.proxy.upstream.connections import NodeConnections
 
 PAUSE_BYTES = 1 << 20
 """Body bytes buffered for a slow client before the node's connection stops being read."""
