@@ -38,8 +38,8 @@ from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_PO
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
-from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
 log = logging.getLogger(__name__)
 

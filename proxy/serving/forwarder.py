@@ -21,8 +21,8 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
-from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
