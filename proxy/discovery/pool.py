@@ -8,10 +8,11 @@ or ``{source}:{role}/{node_id}`` for in-memory nodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from vllm_etcd_proxy.fleet.records import Node, Role, Status
+from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, Upsert
 
 
@@ -25,6 +26,8 @@ class NodeState:
     """Models from the node's GET /v1/models, used when the record names none."""
     learned: bool = False
     """True once the node's GET /v1/models answered."""
+    learned_cards: Mapping[str, ModelCard] = field(default_factory=dict)
+    """The entries of that answer by model id, as the node gave them."""
     in_flight: int = 0
     """Requests this replica has open on the node right now."""
     node_waiting: int = 0
@@ -61,6 +64,11 @@ class NodeState:
     @property
     def models(self) -> tuple[str, ...]:
         return self.node.models or self.learned_models
+
+    @property
+    def cards(self) -> Mapping[str, ModelCard]:
+        """The node's own model list entries, from its record or from asking it."""
+        return self.node.cards or self.learned_cards
 
     @property
     def routable(self) -> bool:
@@ -133,8 +141,9 @@ class Pool:
             return
         self._entries[key] = NodeState(node=node)
 
-    def set_learned_models(self, state: NodeState, models: Iterable[str]) -> None:
+    def set_learned_models(self, state: NodeState, models: Iterable[str], cards: Iterable[ModelCard] = ()) -> None:
         """Record what GET /v1/models answered for a node whose record names no models."""
+        state.learned_cards = {card["id"]: card for card in cards}
         learned = tuple(dict.fromkeys(models))
         if state.learned_models != learned or not state.learned:
             state.learned_models = learned
