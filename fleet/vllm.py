@@ -22,6 +22,21 @@ _GAUGES = re.compile(
 )
 
 
+_AWAKE = re.compile(rb'\nvllm:engine_sleep_state\{[^}\n]*sleep_state="awake"[^}\n]*\}[ \t]+(\S+)')
+
+
+def read_asleep(text: bytes) -> bool | None:
+    """True when every engine of the node is asleep (``vllm:engine_sleep_state{sleep_state="awake"}`` 0, after
+    ``POST /sleep``), False when one is awake, None when the page does not say (older vLLM)."""
+    values = []
+    for value in _AWAKE.findall(b"\n" + text):
+        try:
+            values.append(float(value))
+        except ValueError:
+            continue
+    return None if not values else max(values) == 0
+
+
 def read_node_load(text: bytes) -> tuple[int, int, float] | None:
     """(running, waiting, KV-cache usage) from a vLLM /metrics page, summed over engines (usage: the highest);
     None when the page has none of them."""

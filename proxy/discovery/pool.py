@@ -8,6 +8,7 @@ or ``{source}:{role}/{node_id}`` for in-memory nodes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -52,6 +53,10 @@ class NodeState:
     """monotonic() time of the next health probe while ejected."""
     probation: bool = False
     """Back from ejection but not yet proven: takes one request at a time until one succeeds."""
+    asleep: bool = False
+    """The node's /metrics says its engine sleeps (vLLM's sleep mode): no new requests until it wakes."""
+    busy_until: float = 0.0
+    """monotonic() time until which the node gets no new requests: it answered 503 (scaling, overloaded)."""
 
     @property
     def entry_key(self) -> str:
@@ -76,8 +81,10 @@ class NodeState:
 
     @property
     def admits(self) -> bool:
-        """Takes a request now: not ejected, and on probation only while it has none in flight."""
-        return not self.ejected and not (self.probation and self.in_flight)
+        """Takes a request now: not ejected, awake, not busy, and on probation only while it has none in flight."""
+        if self.ejected or self.asleep or (self.probation and self.in_flight):
+            return False
+        return not self.busy_until or time.monotonic() >= self.busy_until
 
 
 def entry_key(node: Node) -> str:
@@ -164,6 +171,14 @@ class Pool:
         """The node's own figures from its /metrics (every replica's requests, not only ours), scraped at ``at``."""
         state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
         state.load_at = at
+
+    def set_asleep(self, state: NodeState, asleep: bool) -> None:
+        """What the node's /metrics says of its sleep mode (read live by ``admits``: no index to rebuild)."""
+        state.asleep = asleep
+
+    def hold_busy(self, state: NodeState, seconds: float) -> None:
+        """The node answered 503: give it no new requests for ``seconds``."""
+        state.busy_until = time.monotonic() + seconds
 
     def set_token_latency(self, state: NodeState, seconds: float | None) -> None:
         """The node's recent mean time between output tokens (its speed; None until known)."""

@@ -34,6 +34,9 @@ NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"
 """Client request headers the nodes never see (the transport sets Host and Content-Length itself)."""
 _NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
 _BUSY = (429, 503)
+BUSY_HOLD = 1.0
+"""Seconds a node that answered 503 (vLLM while scaling, or overloaded) gets no new requests: they go to
+other nodes, or wait for the retry the client is told to make."""
 _MAX_ERROR_BODY = 64 * 1024
 _ERROR_BODY_SECONDS = 10.0
 
@@ -211,6 +214,8 @@ class Forwarder:
             finally:
                 response.close()
             busy = status in _BUSY
+            if status == 503:
+                self._pool.hold_busy(state, BUSY_HOLD)
             self.release(state, role, f"http_{status}", failed=not busy)
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, status)
             headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
