@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from vllm_etcd_proxy.sim import admin, disagg, protocol, responses, tokens
+from vllm_etcd_proxy.sim import admin, audio, disagg, protocol, responses, tokens
 from vllm_etcd_proxy.sim.engine import Engine, Job
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.metrics import make_registry
@@ -245,6 +245,7 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/sim/config", sim_config, methods=["GET", "POST"]),
         Route("/sim/requests", sim_requests, methods=["GET", "DELETE"]),
         *responses.ROUTES,
+        *audio.ROUTES,
         *admin.ROUTES,
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
