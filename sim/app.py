@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from vllm_etcd_proxy.sim import admin, audio, disagg, protocol, responses, tokens
+from vllm_etcd_proxy.sim import admin, audio, disagg, protocol, realtime, responses, tokens
 from vllm_etcd_proxy.sim.engine import Engine, Job
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.metrics import make_registry
@@ -246,11 +246,13 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/sim/requests", sim_requests, methods=["GET", "DELETE"]),
         *responses.ROUTES,
         *audio.ROUTES,
+        *realtime.ROUTES,
         *admin.ROUTES,
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error})
     app.state.engine = engine
     app.state.responses = {}
+    app.state.realtime = {}
     app.state.registry = make_registry(engine)
     return app
