@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from vllm_etcd_proxy.sim.engine import Record
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
+from vllm_etcd_proxy.sim.record import Record
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record, raw_body
 
 

@@ -20,12 +20,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from vllm_etcd_proxy.sim import admin, audio, disagg, protocol, realtime, responses, tokens
-from vllm_etcd_proxy.sim.engine import Engine, Job
+from vllm_etcd_proxy.sim import (
+    admin,
+    anthropic,
+    audio,
+    disagg,
+    pooling,
+    protocol,
+    realtime,
+    responses,
+    tokens,
+    tokens_api,
+)
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.metrics import make_registry
 from vllm_etcd_proxy.sim.middleware import ApiKey, ClientGone, NodeHeader, Scaling, until_disconnect
 from vllm_etcd_proxy.sim.protocol import GenRequest, Kind
+from vllm_etcd_proxy.sim.record import Job
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record, raw_body
 from vllm_etcd_proxy.sim.settings import SimSettings
 from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
@@ -247,6 +259,9 @@ def create_app(settings: SimSettings) -> Starlette:
         *responses.ROUTES,
         *audio.ROUTES,
         *realtime.ROUTES,
+        *pooling.ROUTES,
+        *tokens_api.ROUTES,
+        *anthropic.ROUTES,
         *admin.ROUTES,
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]

@@ -32,9 +32,10 @@ from starlette.routing import Route
 
 from vllm_etcd_proxy.sim import protocol, tokens
 from vllm_etcd_proxy.sim import responses_wire as wire
-from vllm_etcd_proxy.sim.engine import Engine, Job, Record
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
+from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record
 from vllm_etcd_proxy.sim.response_store import Event, Stored
 from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
