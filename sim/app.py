@@ -70,7 +70,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     )  # fmt: skip
     job = Job(
         record=record, prompt=req.prompt_ids, tokens=answer.tokens, finish_reason=answer.finish_reason,
-        kv_loaded=leg.pulled_from is not None,
+        kv_loaded=leg.pulled_from is not None, cache_salt=record.cache_salt,
     )  # fmt: skip
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}

@@ -186,7 +186,7 @@ class Engine:
                 await on_accept()
             record.state = "waiting"
             await self.slots.acquire()
-            lease = self.cache.admit(job.prompt)
+            lease = self.cache.admit(job.prompt, job.cache_salt)
             try:
                 record.state, record.cached_tokens = "running", lease.hit_tokens
                 self.counters["prefix_cache_queries"] = self.cache.queries

@@ -80,3 +80,5 @@ class Job:
     finish_reason: str
     kv_loaded: bool
     """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
+    cache_salt: str | None = None
+    """vLLM's cache_salt: salts the prefix cache's block hashes."""

@@ -86,7 +86,7 @@ def _prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any
         raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
     answer = tokens.complete(prompt, max_tokens=max_tokens, output_len=engine.knobs.output_len)
     job = Job(record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False)  # fmt: skip
+              kv_loaded=False, cache_salt=record.cache_salt)  # fmt: skip
     return _Run(turn=turn, job=job, messages=messages, model=engine.model_name(turn.model), max_tokens=max_tokens)
 
 

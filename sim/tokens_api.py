@@ -63,7 +63,7 @@ async def generate(request: Request) -> Response:
     record.id, record.prompt_tokens, record.max_tokens = f"generate-tokens-{base}", len(ids), max_tokens
     answer = tokens.complete(ids, max_tokens=max_tokens, output_len=engine.knobs.output_len, ignore_eos=ignore_eos)
     job = Job(record=record, prompt=tuple(ids), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False)  # fmt: skip
+              kv_loaded=False, cache_salt=record.cache_salt)  # fmt: skip
 
     async def collect() -> Response:
         async with aclosing(engine.generate(job)) as stream:

@@ -138,3 +138,16 @@ def test_lora_flags_read_names_and_paths(tmp_path: Path) -> None:
     settings = parse_settings(["--lora", "a", "--lora", "b=/p/b"], {})
     assert settings.loras == (("a", "/adapters/a"), ("b", "/p/b"))
     assert parse_settings([], {"VLLM_SIM_LORA": "x, y=/q"}).loras == (("x", "/adapters/x"), ("y", "/q"))
+
+
+async def test_a_different_cache_salt_misses_the_prefix_cache(node: SimNode, client: httpx.AsyncClient) -> None:
+    words = " ".join(f"salted{i}" for i in range(40))
+    chat = {**CHAT, "messages": [{"role": "user", "content": words}]}
+    for rid, salt in (("salt-a1", "a"), ("salt-a2", "a"), ("salt-b", "b")):
+        response = await client.post(f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": salt},
+                                     headers={"x-request-id": rid})  # fmt: skip
+        assert response.status_code == 200
+    hits = [node.wait_for_request(request_id=rid)["cached_tokens"] for rid in ("salt-a1", "salt-a2", "salt-b")]
+    assert hits[0] == 0 and hits[1] >= 32 and hits[2] == 0
+    empty = await client.post(f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": ""})
+    assert empty.status_code == 400
