@@ -68,6 +68,7 @@ async def test_model_cards_give_root_parent_and_max_model_len(node: SimNode, cli
         ("/loras/chat", MODEL, None),
     ]  # fmt: skip
     assert all(c["owned_by"] == "vllm" and c["permission"][0]["object"] == "model_permission" for c in cards.values())
+    assert (await client.get(f"{node.url}/v1/models/{MODEL}")).status_code == 404, "vLLM has no GET /v1/models/{id}"
 
 
 async def test_a_request_for_a_lora_adapter_is_answered_in_its_name(node: SimNode, client: httpx.AsyncClient) -> None:
@@ -101,7 +102,7 @@ async def test_admin_routes_answer_200_and_are_recorded(node: SimNode, client: h
 async def test_a_sleeping_node_holds_generation_until_woken_and_stays_healthy(
     node: SimNode, client: httpx.AsyncClient
 ) -> None:
-    assert (await client.post(f"{node.url}/sleep?level=1")).status_code == 200
+    node.sleep(level=1)
     try:
         assert (await client.get(f"{node.url}/is_sleeping")).json() == {"is_sleeping": True}
         assert (await client.get(f"{node.url}/health")).status_code == 200
@@ -111,7 +112,7 @@ async def test_a_sleeping_node_holds_generation_until_woken_and_stays_healthy(
         await asyncio.to_thread(node.wait_for_request, request_id="asleep", state="sleeping")
         assert not held.done()
     finally:
-        assert (await client.post(f"{node.url}/wake_up")).status_code == 200
+        node.wake_up()
     assert (await held).status_code == 200
     assert (await client.get(f"{node.url}/is_sleeping")).json() == {"is_sleeping": False}
 

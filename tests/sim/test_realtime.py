@@ -10,7 +10,6 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -29,7 +28,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
 
 @pytest.fixture
 async def session(node: SimNode) -> AsyncIterator[ClientConnection]:
-    url = node.url.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
+    url = f"{node.ws_url}/v1/realtime?model={MODEL}"
     async with connect(url, additional_headers={"x-request-id": "rt-client"}) as ws:
         yield ws
 
@@ -82,7 +81,7 @@ async def test_bad_events_get_vllms_error_events(session: ClientConnection) -> N
 
 async def test_a_client_close_reaches_the_node_and_is_recorded(node: SimNode) -> None:
     node.clear_requests()
-    url = node.url.replace("http://", "ws://") + "/v1/realtime"
+    url = f"{node.ws_url}/v1/realtime"
     async with connect(url, additional_headers={"x-request-id": "rt-close"}) as ws:
         session_id = (await receive(ws))["id"]
         await send(ws, type="session.update", model=MODEL)
@@ -100,8 +99,7 @@ async def test_a_client_close_reaches_the_node_and_is_recorded(node: SimNode) ->
 
 async def test_the_server_can_close_its_sessions(node: SimNode, session: ClientConnection) -> None:
     await receive(session)
-    closed = httpx.post(f"{node.url}/sim/realtime/close", json={"code": 1001}).json()["closed"]
-    assert len(closed) == 1
+    assert len(node.close_websockets(code=1001)) == 1
     with pytest.raises(ConnectionClosed) as caught:
         await asyncio.wait_for(session.recv(), 5.0)
     assert caught.value.rcvd is not None and caught.value.rcvd.code == 1001
