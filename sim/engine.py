@@ -102,6 +102,8 @@ class Engine:
         """0 awake; 1 or 2 after POST /sleep: generation waits for POST /wake_up."""
         self._awake = asyncio.Event()
         self._awake.set()
+        self.asleep = 0
+        """Requests held by sleep mode (a paused scheduler keeps them waiting)."""
         self.apply_knobs({})
 
     def apply_knobs(self, changes: dict[str, Any]) -> None:
@@ -141,7 +143,11 @@ class Engine:
         """Hold ``record``'s request while the node sleeps."""
         if not self._awake.is_set():
             record.state = "sleeping"
-            await self._awake.wait()
+            self.asleep += 1
+            try:
+                await self._awake.wait()
+            finally:
+                self.asleep -= 1
 
     def receive(self, record: Record) -> None:
         self.records.append(record)
@@ -237,6 +243,11 @@ class Engine:
         record.state = "running"
 
     @property
+    def waiting(self) -> int:
+        """Requests queued for a slot, plus those held by sleep mode."""
+        return self.slots.waiting + self.asleep
+
+    @property
     def running(self) -> int:
         """Requests holding a slot, plus hung ones (a wedged engine reports them as running)."""
         return self.slots.running + self.hung
@@ -257,7 +268,7 @@ class Engine:
             "role": str(self.settings.role),
             "engine_id": self.settings.engine_id,
             "running": self.running,
-            "waiting": self.slots.waiting,
+            "waiting": self.waiting,
             "counters": dict(self.counters),
             "kv_cache": self.cache.stats(),
             "requests": [r.to_json() for r in self.records],

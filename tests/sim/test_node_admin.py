@@ -110,7 +110,7 @@ async def test_a_sleeping_node_holds_generation_until_woken_and_stays_healthy(
         held = asyncio.ensure_future(client.post(f"{node.url}/v1/chat/completions", json=CHAT,
                                                  headers={"x-request-id": "asleep"}))  # fmt: skip
         await asyncio.to_thread(node.wait_for_request, request_id="asleep", state="sleeping")
-        assert not held.done()
+        assert not held.done() and node.snapshot()["waiting"] == 1
     finally:
         node.wake_up()
     assert (await held).status_code == 200
