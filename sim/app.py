@@ -29,6 +29,7 @@ from vllm_etcd_proxy.sim import (
     protocol,
     realtime,
     responses,
+    responses_ws,
     tokens,
     tokens_api,
 )
@@ -259,6 +260,7 @@ def create_app(settings: SimSettings) -> Starlette:
         *responses.ROUTES,
         *audio.ROUTES,
         *realtime.ROUTES,
+        *responses_ws.ROUTES,
         *pooling.ROUTES,
         *tokens_api.ROUTES,
         *anthropic.ROUTES,
