@@ -147,6 +147,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=503 if starting or flipped else 200)
 
 
+async def load(request: Request) -> Response:
+    """vLLM's GET /load (--enable-server-load-tracking): requests in flight."""
+    engine = engine_of(request)
+    return JSONResponse({"server_load": engine.running + engine.waiting})
+
+
 async def models(request: Request) -> Response:
     engine = engine_of(request)
     settings = engine.settings
@@ -248,6 +254,8 @@ def create_app(settings: SimSettings) -> Starlette:
         middleware.append(Middleware(ApiKey, key=settings.api_key))
     routes = [
         Route("/health", health),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/load", load),
         Route("/metrics", metrics),
         Route("/version", version),
         Route("/v1/models", models),

@@ -68,7 +68,7 @@ async def test_model_cards_give_root_parent_and_max_model_len(node: SimNode, cli
         ("/loras/chat", MODEL, None),
     ]  # fmt: skip
     assert all(c["owned_by"] == "vllm" and c["permission"][0]["object"] == "model_permission" for c in cards.values())
-    assert (await client.get(f"{node.url}/v1/models/{MODEL}")).status_code == 404, "vLLM has no GET /v1/models/{id}"
+    assert (await client.get(f"{node.url}/v1/models/{MODEL}")).status_code == 404  # vLLM has no GET /v1/models/{id}
 
 
 async def test_a_request_for_a_lora_adapter_is_answered_in_its_name(node: SimNode, client: httpx.AsyncClient) -> None:
@@ -152,3 +152,13 @@ async def test_a_different_cache_salt_misses_the_prefix_cache(node: SimNode, cli
     assert hits[0] == 0 and hits[1] >= 32 and hits[2] == 0
     empty = await client.post(f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": ""})
     assert empty.status_code == 400
+
+
+async def test_ping_and_load_answer_as_vllms_and_are_not_recorded(node: SimNode, client: httpx.AsyncClient) -> None:
+    node.clear_requests()
+    assert (await client.get(f"{node.url}/ping")).status_code == 200
+    assert (await client.post(f"{node.url}/ping")).status_code == 200
+    assert (await client.get(f"{node.url}/load")).json() == {"server_load": 0}
+    for path in ("/health", "/v1/models", "/is_sleeping", "/metrics", "/version"):
+        assert (await client.get(f"{node.url}{path}")).status_code == 200
+    assert node.requests() == []
