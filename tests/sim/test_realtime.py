@@ -10,9 +10,10 @@ import os
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.support.sim_node import SimNode
 
@@ -105,3 +106,19 @@ async def test_the_server_can_close_its_sessions(node: SimNode, session: ClientC
     assert caught.value.rcvd is not None and caught.value.rcvd.code == 1001
     record = await asyncio.to_thread(node.wait_for_request, request_id="rt-client", state="closed")
     assert record["detail"]["closed_by"] == "server"
+
+
+async def test_an_api_key_guards_the_websocket_and_the_v2_and_inference_routes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    with SimNode(tmp_path_factory.mktemp("sim-key"), model=[MODEL], api_key="k") as guarded:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(f"{guarded.ws_url}/v1/realtime"):
+                pass
+        assert refused.value.response.status_code == 401
+        async with connect(f"{guarded.ws_url}/v1/realtime", additional_headers={"authorization": "Bearer k"}) as ws:
+            assert (await receive(ws))["type"] == "session.created"
+        async with httpx.AsyncClient() as client:
+            for path in ("/v2/rerank", "/inference/v1/generate"):
+                assert (await client.post(f"{guarded.url}{path}", json={})).status_code == 401
+            assert (await client.post(f"{guarded.url}/tokenize", json={"prompt": "x"})).status_code == 200
