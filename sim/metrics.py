@@ -44,7 +44,7 @@ class EngineCollector(Collector):
 
         slots = engine.slots
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", engine.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", slots.waiting)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.waiting)
         # With the prefix cache off the node has no block accounting: usage falls back to busy sequence slots.
         usage = engine.cache.usage if engine.cache.enabled else slots.running / slots.limit
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.datastructures import Headers
@@ -35,14 +35,22 @@ class NodeHeader:
 
 
 class ApiKey:
-    """vLLM's --api-key: every path under /v1 needs ``Authorization: Bearer KEY`` (OPTIONS excepted)."""
+    """vLLM's --api-key (AuthenticationMiddleware): every HTTP request and WebSocket under /v1, /v2, /inference or
+    /cohere needs ``Authorization: Bearer KEY`` (OPTIONS excepted); a WebSocket is refused with the same 401 at the
+    upgrade."""
+
+    GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
     def __init__(self, app: ASGIApp, key: str):
         self.app = app
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if (
+            scope["type"] not in ("http", "websocket")
+            or scope.get("method") == "OPTIONS"
+            or not scope["path"].startswith(self.GUARDED)
+        ):
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
@@ -50,6 +58,26 @@ class ApiKey:
             await self.app(scope, receive, send)
             return
         await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
+SCALING_ERROR = {"error": "The model is currently scaling. Please try again later."}
+"""vLLM's elastic-EP ScalingMiddleware answer, with status 503, to every HTTP request while it scales."""
+
+
+class Scaling:
+    """503 to every request but the simulator's own /sim/* while ``is_scaling()``; each refusal is recorded."""
+
+    def __init__(self, app: ASGIApp, is_scaling: Callable[[], bool], refused: Callable[[Scope], None]):
+        self.app = app
+        self.is_scaling = is_scaling
+        self.refused = refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/sim/") or not self.is_scaling():
+            await self.app(scope, receive, send)
+            return
+        self.refused(scope)
+        await JSONResponse(SCALING_ERROR, status_code=503)(scope, receive, send)
 
 
 class ClientGone(Exception):
