@@ -39,6 +39,7 @@ from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tracing.spans import make_tracer
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -127,10 +128,13 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
     keys = ClientKeys(settings.api_keys)
+    tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         http.prepare_tls()
+        if tracer is not None:
+            tracer.start()
 
         async def prune_connections() -> None:
             while True:
@@ -164,6 +168,8 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             await client.aclose()
             http.close()
             scrapes.close()
+            if tracer is not None:
+                await asyncio.to_thread(tracer.shutdown)
 
     scraped = registry
     if os.environ.get(METRICS_DIR_ENV):
@@ -193,5 +199,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     )
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys,
-                          affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()))  # fmt: skip
+                          affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
+                          tracer=tracer)  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)

@@ -35,6 +35,7 @@ from vllm_etcd_proxy.proxy.operations.info import Lifecycle
 from vllm_etcd_proxy.proxy.operations.workers import run_workers
 from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICIES
 from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
+from vllm_etcd_proxy.proxy.tracing.spans import traces_endpoint
 
 ENV_PREFIX = "VLLM_PROXY_"
 WORKER_READY_WAIT = 15.0
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd-password-file", help="file whose first line is the etcd password")
     add("--workers", type=int, default=1, help="processes serving the port, each with its own etcd watch and "
         "pools; use one per core the replica may use (default 1)")  # fmt: skip
+    add("--otlp-traces-endpoint", metavar="URL", help="send OpenTelemetry traces there, OTLP over HTTP (a span per "
+        "request, a child per leg; as vLLM's flag; a bare host:port gets /v1/traces; default "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off); needs pip install 'vllm-etcd-proxy[otel]'")  # fmt: skip
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
     return p
 
@@ -151,6 +155,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         shutdown_timeout=args.shutdown_timeout, shutdown_delay=args.shutdown_delay,
         models_refresh=args.models_refresh,
         max_connections=args.max_connections, log_level=args.log_level, workers=args.workers,
+        otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
     )  # fmt: skip
 
 

@@ -89,5 +89,7 @@ class ProxySettings:
     """Connections open to one node at most; requests beyond wait for one (within the first-byte timeout)."""
     workers: int = 1
     """Processes serving the port (SO_REUSEPORT), each with its own watch and pools; one per core."""
+    otlp_traces_endpoint: str | None = None
+    """Where OTLP/HTTP traces go (a span per request, a child per leg); None: no tracing at all."""
     log_level: str = "info"
     """Python logging level name."""

@@ -20,6 +20,12 @@ from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# vLLM's own buckets for these (vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds), with finer
+# ones below, so the client's view and the nodes' compare bucket by bucket.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80,
+                 160, 640, 2560)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5,
+                7.5, 10, 20, 40, 80)  # fmt: skip
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LAG_INTERVAL = 0.25
 """Seconds between two event-loop lag samples."""
@@ -75,6 +81,28 @@ class ProxyMetrics:
             "vllm_proxy_event_loop_lag_distribution_seconds", "Event-loop lag samples, every 0.25 s.",
             buckets=_LAG_BUCKETS, registry=registry,
         )  # fmt: skip
+        # Completions and chat completions as their clients see them, by model (models the fleet serves: bounded).
+        self.ttft_seconds = Histogram(
+            "vllm_proxy_time_to_first_token_seconds", "Streamed completions: from the request's arrival to its "
+            "first event sent to the client, by model.", ["model"], buckets=_TTFT_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.itl_seconds = Histogram(
+            "vllm_proxy_inter_token_latency_seconds", "Streamed completions: one stream's mean time between tokens "
+            "as its client got them (its tokens from usage when the stream carries it, else its body writes), "
+            "by model.", ["model"], buckets=_ITL_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.e2e_seconds = Histogram(
+            "vllm_proxy_e2e_request_latency_seconds", "Completions answered 200 (streamed or not): from the "
+            "request's arrival to its last byte, by model.", ["model"], buckets=_TTFT_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "vllm_proxy_prompt_tokens", "Prompt tokens of completions answered 200, from the usage the answer "
+            "carries (streams only with stream_options.include_usage).", ["model"], registry=registry,
+        )  # fmt: skip
+        self.generation_tokens = Counter(
+            "vllm_proxy_generation_tokens", "Generated tokens of completions answered 200, from the usage the "
+            "answer carries (streams only with stream_options.include_usage).", ["model"], registry=registry,
+        )  # fmt: skip
         # Label lookups take a lock and build tuples; the request path reuses the children it has seen.
         self._children: dict[tuple[object, ...], Any] = {}
 
@@ -90,8 +118,26 @@ class ProxyMetrics:
         self._child(self.requests, route, mode, str(status)).inc()
         self._child(self.request_seconds, route, mode).observe(time.monotonic() - started)
 
-    def first_byte(self, route: str, mode: str, started: float) -> None:
-        self._child(self.first_byte_seconds, route, mode).observe(time.monotonic() - started)
+    def first_byte(self, route: str, mode: str, started: float) -> float:
+        """Returns the time (``time.monotonic()``) it counted."""
+        now = time.monotonic()
+        self._child(self.first_byte_seconds, route, mode).observe(now - started)
+        return now
+
+    def generated(self, model: str, started: float, first_at: float | None, streamed: bool, writes: int,
+                  prompt_tokens: int | None, completion_tokens: int | None) -> None:  # fmt: skip
+        """A completion answered 200: once per request, after its last byte."""
+        now = time.monotonic()
+        self._child(self.e2e_seconds, model).observe(now - started)
+        if streamed and first_at is not None:
+            self._child(self.ttft_seconds, model).observe(first_at - started)
+            tokens = completion_tokens or writes
+            if tokens > 1:
+                self._child(self.itl_seconds, model).observe((now - first_at) / (tokens - 1))
+        if prompt_tokens:
+            self._child(self.prompt_tokens, model).inc(prompt_tokens)
+        if completion_tokens:
+            self._child(self.generation_tokens, model).inc(completion_tokens)
 
     def upstream_outcome(self, role: Role, node_id: str, outcome: str) -> None:
         self._child(self.upstream, role.value, node_id, outcome).inc()

@@ -38,11 +38,13 @@ from vllm_etcd_proxy.proxy.serving.parsing import (
     read_body,
     read_headers,
 )
-from vllm_etcd_proxy.proxy.serving.relay import Exchange, Relay, ResumePlan, send_error
+from vllm_etcd_proxy.proxy.serving.relay import Exchange, Relay, ResumePlan, Tally, send_error
 from vllm_etcd_proxy.proxy.serving.responses import ResponseIds, previous_response_id
 from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.serving.routes import Kind, classify, metric_route, response_id_of
+from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace, Tracer, split_trace_headers
 
 FORWARDED_METHODS = frozenset(["GET", "POST", "PUT", "PATCH", "DELETE"])
 _MIXED_ROLES = (Role.MIXED, Role.DECODE)
@@ -64,7 +66,9 @@ class OpenAIRoutes:
         keys: ClientKeys,
         affinity: bool = False,
         websockets: ASGIApp | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
+        self._tracer = tracer
         self._websockets = websockets
         self._ids = ResponseIds(pool)
         self._affinity = affinity
@@ -115,6 +119,11 @@ class OpenAIRoutes:
         client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
         mode = "none"
         plan: ResumePlan | None = None
+        forwarded, model, tally, trace = client.forwarded, None, None, None
+        if self._tracer is not None:
+            forwarded, parent = split_trace_headers(forwarded)
+            trace = self._tracer.request(method=scope["method"], route=route, request_id=client.request_id,
+                                         started=started, parent=parent)  # fmt: skip
         try:
             self._keys.check(client.authorization)
             if kind is Kind.NODE_ADMIN:
@@ -127,10 +136,10 @@ class OpenAIRoutes:
             target = scope["raw_path"] if scope.get("raw_path") else path.encode()
             if query:
                 target += b"?" + query
-            head = header_lines(client.forwarded)
+            head = header_lines(forwarded)
             method = scope["method"].encode()
             if kind is Kind.BY_RESPONSE_ID:
-                mode, exchange = "pinned", self._by_response_id(path, target, head, raw, method)
+                mode, exchange = "pinned", self._by_response_id(path, target, head, raw, method, trace)
             else:
                 body, model = self._read_model(client, raw, query, kind, path)
                 hints = (route_hints(self._prefixes, body, client.session,
@@ -138,7 +147,9 @@ class OpenAIRoutes:
                          if self._read_prompts and body is not None else _NO_HINTS)  # fmt: skip
                 request = _Request(path=path, target=target, model=model, head=head, method=method,
                                    affinity=hints.key if self._affinity else None,
-                                   uncached_tokens=hints.uncached_tokens)  # fmt: skip
+                                   uncached_tokens=hints.uncached_tokens, trace=trace)  # fmt: skip
+                if kind is Kind.GENERATE:
+                    tally = Tally()
                 if kind is Kind.RESPONSES and body is not None:
                     mode, exchange = self._new_response(request, raw, body)
                 else:
@@ -150,14 +161,30 @@ class OpenAIRoutes:
         except ProxyError as exc:
             await send_error(send, exc, client.request_id, route=route)
             self._metrics.request_done(route, mode, exc.status, started)
+            if trace is not None:
+                trace.end(exc.status, model)
             return
         status = 499
         try:
-            status = await self._relay(exchange, receive, send, route=route, mode=mode,
-                                       request_id=client.request_id, started=started, plan=plan)  # fmt: skip
+            status = await self._relay(exchange, receive, send, route=route, mode=mode, request_id=client.request_id,
+                                       started=started, plan=plan, tally=tally)  # fmt: skip
         finally:
             self._limit.release()
             self._metrics.request_done(route, mode, status, started)
+            if tally is not None or trace is not None:
+                self._done(status, model, started, tally, trace)
+
+    def _done(self, status: int, model: str | None, started: float, tally: Tally | None,
+              trace: RequestTrace | None) -> None:  # fmt: skip
+        """Per-model metrics and the request's span, once the answer is through."""
+        prompt = completion = None
+        if status == 200 and tally is not None and model is not None:
+            if tally.tail:
+                prompt, completion = usage_of(tally.tail)
+            self._metrics.generated(model, started, tally.first_at, tally.streamed, tally.chunks, prompt, completion)
+        if trace is not None:
+            trace.usage(prompt, completion)
+            trace.end(status, model)
 
     def _read_model(self, client: ClientRequest, raw: bytes, query: bytes, kind: Kind,
                     path: str) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
@@ -183,15 +210,18 @@ class OpenAIRoutes:
 
     def _resume_plan(self, request: _Request, body: dict[str, Any]) -> ResumePlan:
         async def reopen(continuation: dict[str, Any], avoid: tuple[NodeState, ...]) -> Upstream | ErrorAnswer:
+            if request.trace is not None:
+                request.trace.resumed()
             _, again = self._exchange(request, orjson.dumps(continuation), continuation, avoid)
             return await again()
 
         return ResumePlan(path=request.path, body=body, reopen=reopen, max_resumes=self._max_resumes)
 
-    def _by_response_id(self, path: str, target: bytes, head: bytes, raw: bytes, method: bytes) -> Exchange:
+    def _by_response_id(self, path: str, target: bytes, head: bytes, raw: bytes, method: bytes,
+                        trace: RequestTrace | None) -> Exchange:  # fmt: skip
         holder = self._ids.holder(response_id_of(path))
         leg = Leg(roles=(holder.node.role,), model="", path=target, head=head, body=raw,
-                  timeout=self._first_byte_timeout, method=method, pinned=holder)  # fmt: skip
+                  timeout=self._first_byte_timeout, method=method, pinned=holder, trace=trace)  # fmt: skip
         return self._open(leg)
 
     def _new_response(self, request: _Request, raw: bytes, body: dict[str, Any]) -> tuple[str, Exchange]:
@@ -202,7 +232,7 @@ class OpenAIRoutes:
         if holder is None:
             self._check_routable(request.model, _MIXED_ROLES)
         leg = Leg(roles=_MIXED_ROLES, model=request.model, path=request.target, head=request.head, body=raw,
-                  timeout=self._first_byte_timeout, affinity=request.affinity, pinned=holder,
+                  timeout=self._first_byte_timeout, affinity=request.affinity, pinned=holder, trace=request.trace,
                   body_for=lambda state: ids.new_response_body(raw, body, state))  # fmt: skip
         return ("pinned" if holder is not None else "mixed"), self._open(leg)
 
@@ -228,7 +258,7 @@ class OpenAIRoutes:
 
             async def disaggregated() -> Upstream | ErrorAnswer:
                 return await disagg.run(path=request.target, model=model, raw=raw, body=body, head=head,
-                                        affinity=request.affinity, avoid=avoid)  # fmt: skip
+                                        affinity=request.affinity, avoid=avoid, trace=request.trace)  # fmt: skip
 
             return "disagg", disaggregated
         self._check_routable(model, _MIXED_ROLES)
@@ -238,7 +268,8 @@ class OpenAIRoutes:
                  avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
         # Not disaggregated: the body goes to the node byte for byte.
         leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
-                  timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method)  # fmt: skip
+                  timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method,
+                  trace=request.trace)  # fmt: skip
         return self._open(leg, avoid)
 
 
@@ -253,3 +284,4 @@ class _Request(NamedTuple):
     method: bytes
     affinity: str | None
     uncached_tokens: int | None
+    trace: RequestTrace | None

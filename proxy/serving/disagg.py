@@ -23,7 +23,9 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
 from vllm_etcd_proxy.proxy.serving.bodies import with_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.settings import TimeoutSettings
+from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +79,22 @@ class Disaggregator:
         head: bytes,
         affinity: str | None,
         avoid: Collection[NodeState] = (),
+        trace: RequestTrace | None = None,
     ) -> Upstream | ErrorAnswer:
-        kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity)
+        kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity, trace=trace)
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
         leg = Leg(roles=(Role.DECODE,), model=model, path=path, head=head, timeout=self._timeouts.first_byte,
-                  body=decode_body(raw, body, kv), affinity=affinity)  # fmt: skip
+                  body=decode_body(raw, body, kv), affinity=affinity, trace=trace)  # fmt: skip
         return await self._forwarder.open(leg, avoid)
 
     async def _prefill(
-        self, *, path: bytes, model: str, body: Mapping[str, Any], head: bytes, affinity: str | None
+        self, *, path: bytes, model: str, body: Mapping[str, Any], head: bytes, affinity: str | None,
+        trace: RequestTrace | None,
     ) -> Any:
         """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
         total = self._timeouts.prefill
-        leg = Leg(roles=(Role.PREFILL,), model=model, path=path, head=head, timeout=total,
+        leg = Leg(roles=(Role.PREFILL,), model=model, path=path, head=head, timeout=total, trace=trace,
                   deadline=time.monotonic() + total, body=prefill_body(body), affinity=affinity)  # fmt: skip
         try:
             answer = await self._forwarder.open(leg)
@@ -103,6 +107,8 @@ class Disaggregator:
         try:
             raw = await answer.read_all(_MAX_PREFILL_ANSWER)
             outcome = "ok"
+            if answer.span is not None:
+                answer.span.usage(usage_of(raw)[0], None)  # its one token is not the answer's
         finally:
             answer.close(outcome)
         try:

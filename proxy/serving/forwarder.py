@@ -22,6 +22,7 @@ from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFa
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tracing.spans import LegSpan, RequestTrace
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Leg(NamedTuple):
     """The one node this leg may go to (it holds state the request refers to): no policy, no other node."""
     body_for: Callable[[NodeState], bytes] | None = None
     """The body for the node chosen, when it depends on the node (instead of ``body``)."""
+    trace: RequestTrace | None = None
+    """The client request's span when tracing is on: each attempt is a child span, and the node's parent."""
 
 
 def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -86,14 +89,17 @@ def client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
 class Upstream:
     """An open response from a node: status and headers are in, the body is not read yet."""
 
-    __slots__ = ("state", "role", "response", "_forwarder", "_closed")
+    __slots__ = ("state", "role", "response", "_forwarder", "_closed", "span")
 
-    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: UpstreamResponse) -> None:
+    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: UpstreamResponse,
+                 span: LegSpan | None = None) -> None:  # fmt: skip
         self._forwarder = forwarder
         self.state = state
         self.role = role
         self.response = response
         self._closed = False
+        self.span = span
+        """The leg's span (tracing on), ended with the response."""
 
     @property
     def status(self) -> int:
@@ -120,6 +126,8 @@ class Upstream:
         self._closed = True
         self.response.close()
         self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken")
+        if self.span is not None:
+            self.span.end(outcome, self.response.status)
 
 
 class Forwarder:
@@ -172,7 +180,7 @@ class Forwarder:
             if attempt:
                 self._metrics.retry(role)
             tried.append(state)
-            result = await self._attempt(state, role, leg)
+            result = await self._attempt(state, role, leg, attempt)
             if isinstance(result, Upstream):
                 return result
             if isinstance(result, ErrorAnswer):
@@ -185,25 +193,31 @@ class Forwarder:
             raise last_error
         raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {leg.model!r}")
 
-    async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
+    async def _attempt(self, state: NodeState, role: Role, leg: Leg,
+                       attempt: int) -> Upstream | ErrorAnswer | ProxyError:  # fmt: skip
         node = state.node
         timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
         body = leg.body if leg.body_for is None else leg.body_for(state)
-        request = UpstreamRequest(origin=Origin.of(node.url), path=leg.path, head=leg.head, body=body,
+        head, span = leg.head, None
+        if leg.trace is not None:
+            span = leg.trace.leg(role=role.value, node_id=node.node_id, url=node.url, model=leg.model,
+                                 attempt=attempt)  # fmt: skip
+            head += span.headers
+        request = UpstreamRequest(origin=Origin.of(node.url), path=leg.path, head=head, body=body,
                                   timeout=timeout, idle_timeout=self._idle, method=leg.method)  # fmt: skip
         self._pool.request_started(state)
         try:
             response = await self._transport.send(request)
         except UpstreamTimeout as exc:
-            self.release(state, role, "timeout", failed=True)
+            self._failed(state, role, "timeout", span)
             log.warning("upstream timeout node=%s role=%s error=%s", node.node_id, role.value, exc.message)
             return exc
         except ProxyError as exc:
-            self.release(state, role, "connect_error", failed=True)
+            self._failed(state, role, "connect_error", span)
             log.warning("upstream failed node=%s role=%s error=%s", node.node_id, role.value, exc.message)
             return UpstreamFailed(exc.message)
         except BaseException:
-            self.release(state, role, "cancelled", failed=False)
+            self._failed(state, role, "cancelled", span, failed=False)
             raise
         status = response.status
         if status >= 500 or status == 429:
@@ -216,13 +230,19 @@ class Forwarder:
             busy = status in _BUSY
             if status == 503:
                 self._pool.hold_busy(state, BUSY_HOLD)
-            self.release(state, role, f"http_{status}", failed=not busy)
+            self._failed(state, role, f"http_{status}", span, failed=not busy, status=status)
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, status)
             headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
             return ErrorAnswer(status=status, headers=headers, body=body, node_id=node.node_id)
         # The node answered: that ends probation even before the body (a long generation) is through.
         self._ejector.success(state)
-        return Upstream(self, state, role, response)
+        return Upstream(self, state, role, response, span)
+
+    def _failed(self, state: NodeState, role: Role, outcome: str, span: LegSpan | None, *, failed: bool = True,
+                status: int | None = None) -> None:  # fmt: skip
+        self.release(state, role, outcome, failed=failed)
+        if span is not None:
+            span.end(outcome, status)
 
     def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
         self._pool.request_ended(state)

@@ -44,6 +44,22 @@ class ResumePlan(NamedTuple):
     max_resumes: int
 
 
+class Tally:
+    """What the relay saw of one answer, for the per-model metrics and the trace: written a few times per
+    request (first byte, end), never per chunk."""
+
+    __slots__ = ("first_at", "chunks", "tail", "streamed")
+
+    def __init__(self) -> None:
+        self.first_at: float | None = None
+        """``time.monotonic()`` when the first body byte went to the client."""
+        self.chunks = 0
+        """Body writes to the client."""
+        self.tail = b""
+        """The answer's last bytes, where vLLM puts ``usage``."""
+        self.streamed = False
+
+
 class _DisconnectWatch:
     """Cancels the current task when the client disconnects (after the request body was fully read)."""
 
@@ -86,12 +102,13 @@ class Relay:
         self._metrics = metrics
 
     async def __call__(self, exchange: Exchange, receive: Receive, send: Send, *, route: str, mode: str,
-                       request_id: str, started: float, plan: ResumePlan | None = None) -> int:  # fmt: skip
+                       request_id: str, started: float, plan: ResumePlan | None = None,
+                       tally: Tally | None = None) -> int:  # fmt: skip
         """Returns the HTTP status the client got (499 when it left first)."""
         status = 499
         watch = _DisconnectWatch(receive)
         try:
-            status = await self._run(exchange, send, watch, route, mode, request_id, started, plan)
+            status = await self._run(exchange, send, watch, route, mode, request_id, started, plan, tally)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watch.gone or task is None:
@@ -104,7 +121,7 @@ class Relay:
         return status
 
     async def _run(self, exchange: Exchange, send: Send, watch: _DisconnectWatch, route: str, mode: str,
-                   request_id: str, started: float, plan: ResumePlan | None) -> int:  # fmt: skip
+                   request_id: str, started: float, plan: ResumePlan | None, tally: Tally | None) -> int:  # fmt: skip
         # Before the last body message goes out, the watch is told: once it is sent, uvicorn reports
         # "disconnect" to receive(), which is not a client leaving.
         try:
@@ -120,9 +137,9 @@ class Relay:
             await send({"type": "http.response.body", "body": answer.body})
             return answer.status
         if plan is not None and answer.status == 200 and _is_event_stream(answer.headers):
-            await self._relay_resumable(answer, send, watch, route, mode, request_id, started, plan)
+            await self._relay_resumable(answer, send, watch, route, mode, request_id, started, plan, tally)
         else:
-            await self._relay(answer, send, watch, route, mode, request_id, started)
+            await self._relay(answer, send, watch, route, mode, request_id, started, tally)
         return answer.status
 
     @staticmethod
@@ -133,20 +150,22 @@ class Relay:
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
 
     async def _relay(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str, mode: str,
-                     request_id: str, started: float) -> None:  # fmt: skip
+                     request_id: str, started: float, tally: Tally | None) -> None:  # fmt: skip
         outcome = "cancelled"
         response = upstream.response
         try:
             await self._start(upstream, send, request_id)
             read = response.read
             chunks = 0
+            before = last = b""
             try:
                 chunk = await read()
                 if chunk:
-                    self._metrics.first_byte(route, mode, started)
+                    self._first_byte(upstream, route, mode, started, tally)
                 while chunk:
                     chunks += 1
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    before, last = last, chunk
                     chunk = await read()
             except ProxyError as exc:
                 # Bytes already reached the client: no retry; tell a stream reader why it ends.
@@ -160,14 +179,25 @@ class Relay:
                 # sees a truncated answer as an error instead of a complete-looking, cut-off JSON body.
                 return
             self._metrics.stream_chunks.inc(chunks)
+            if tally is not None:
+                tally.chunks, tally.tail = chunks, before + last
+                tally.streamed = _is_event_stream(response.headers)
             watch.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             outcome = "ok"
         finally:
             upstream.close(outcome)
 
+    def _first_byte(self, upstream: Upstream, route: str, mode: str, started: float, tally: Tally | None) -> None:
+        now = self._metrics.first_byte(route, mode, started)
+        if tally is not None:
+            tally.first_at = now
+        if upstream.span is not None:
+            upstream.span.first_byte()
+
     async def _relay_resumable(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str,
-                               mode: str, request_id: str, started: float, plan: ResumePlan) -> None:  # fmt: skip
+                               mode: str, request_id: str, started: float, plan: ResumePlan,
+                               tally: Tally | None) -> None:  # fmt: skip
         """Relay an SSE answer event by event; when its node fails, go on from another node (resume.py)."""
         sent = StreamLog()
         splice: Splice | None = None
@@ -178,7 +208,7 @@ class Relay:
             outcome = "cancelled"
             failure: ProxyError | None = None
             try:
-                await self._pump(current, send, sent, splice, route, mode, started)
+                await self._pump(current, send, sent, splice, route, mode, started, tally)
                 outcome = "ok"
             except ProxyError as exc:
                 outcome, failure = "broken", exc
@@ -225,11 +255,13 @@ class Relay:
             splice = Splice(plan.path, done)
             current = answer
         self._metrics.stream_chunks.inc(sent.writes)
+        if tally is not None:
+            tally.chunks, tally.tail, tally.streamed = sent.writes, sent.tail(), True
         watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _pump(self, upstream: Upstream, send: Send, sent: StreamLog, splice: Splice | None, route: str,
-                    mode: str, started: float) -> None:  # fmt: skip
+                    mode: str, started: float, tally: Tally | None) -> None:  # fmt: skip
         """Relay whole events until ``[DONE]`` and the end of the body; raise ``ProxyError`` when the node fails."""
         read, cut, add = upstream.response.read, sent.cut, sent.add
         first = started > 0 and splice is None
@@ -253,7 +285,7 @@ class Relay:
             if events:
                 if first:
                     first = False
-                    self._metrics.first_byte(route, mode, started)
+                    self._first_byte(upstream, route, mode, started, tally)
                 add(events)
                 await send({"type": "http.response.body", "body": events, "more_body": True})
             if failed is not None:

@@ -94,6 +94,10 @@ class StreamLog:
         """Forget the partial event kept from a node that failed (the client never got it)."""
         self._tail = b""
 
+    def tail(self) -> bytes:
+        """The last two writes: where the answer's ``usage`` event is."""
+        return b"".join(self._parts[-2:])
+
     def add(self, events: bytes) -> None:
         self._parts.append(events)
         self.writes += 1
