@@ -76,6 +76,25 @@ def read_token_latency(text: bytes) -> tuple[float, float] | None:
     return (chosen[0], chosen[1]) if chosen else None
 
 
+_PREFIX_CACHE = re.compile(rb"\nvllm:prefix_cache_(hits|queries)_total(?:\{[^}\n]*\})?[ \t]+(\S+)")
+
+
+def read_prefix_cache(text: bytes) -> tuple[float, float] | None:
+    """(hits, queries) of the node's prefix cache, in tokens, summed over engines (counters since its start);
+    None when the page has neither (prefix caching off, or an older vLLM)."""
+    totals = [0.0, 0.0]
+    seen = False
+    for part, value in _PREFIX_CACHE.findall(b"\n" + text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if number == number:
+            seen = True
+            totals[part == b"queries"] += number
+    return (totals[0], totals[1]) if seen else None
+
+
 ModelCard = Mapping[str, Any]
 """One entry of a node's GET /v1/models, as the node gave it (``id``, ``root``, ``parent``, ``max_model_len``...)."""
 

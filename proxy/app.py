@@ -33,6 +33,7 @@ from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
+from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
@@ -104,6 +105,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     pool = Pool()
     discovery_state = DiscoveryState(enabled=settings.etcd is not None)
     registry.register(PoolCollector(pool, discovery_state))
+    registry.register(NodeCollector(pool))
     layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
     for role, addresses in ((Role.PREFILL, settings.prefill), (Role.DECODE, settings.decode),
                             (Role.MIXED, settings.mixed)):  # fmt: skip
@@ -177,6 +179,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         scraped = CollectorRegistry(auto_describe=True)
         MultiProcessCollector(scraped)  # type: ignore[no-untyped-call]
         scraped.register(PoolCollector(pool, discovery_state))
+        scraped.register(NodeCollector(pool))
     routes = [
         *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle).routes(),
         *AdminRoutes(

@@ -4,7 +4,9 @@ A replica only knows its own in-flight requests; the node's ``vllm:num_requests_
 ``vllm:num_requests_waiting`` count every replica's and direct clients', and ``vllm:kv_cache_usage_perc`` says
 how full its KV cache is. Every replica reads the same figures, so they judge a node's load alike. The same
 goes for the node's speed: its mean time between output tokens over the last ``ITL_WINDOW`` seconds, from the
-``vllm:inter_token_latency_seconds`` histogram's sum and count. Scraped every ``interval`` seconds
+``vllm:inter_token_latency_seconds`` histogram's sum and count, and for its prefix cache's hit rate over the same
+window (``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``), which the replica only
+re-exports (``vllm_proxy_node_prefix_cache_hit_rate``). Scraped every ``interval`` seconds
 (``--scrape-load``; a request per node per interval) through the data path's own HTTP client, on connections
 of its own: a replica spends about 0.26 ms of CPU per scrape, fetch and parse, against 1.34 ms through httpx
 (``bench/scrape_cost.py``), which matters when it scrapes a hundred nodes twice a second.
@@ -17,7 +19,7 @@ import logging
 import time
 from collections import deque
 
-from vllm_etcd_proxy.fleet.vllm import read_asleep, read_node_load, read_token_latency
+from vllm_etcd_proxy.fleet.vllm import read_asleep, read_node_load, read_prefix_cache, read_token_latency
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest
@@ -37,11 +39,13 @@ MIN_TOKENS = 50
 
 class TokenLatency:
     """One node's mean inter-token latency over the last ``ITL_WINDOW`` seconds, from successive scrapes of
-    its cumulative histogram."""
+    its cumulative histogram; alike, any ratio of two of its counters over that window (the prefix cache's hits
+    per query) with ``minimum`` the least growth of the divisor that says something."""
 
-    def __init__(self) -> None:
+    def __init__(self, minimum: float = MIN_TOKENS) -> None:
         self._samples: deque[tuple[float, float, float]] = deque()
         self.value: float | None = None
+        self._minimum = minimum
 
     def add(self, now: float, total: float, count: float) -> float | None:
         if self._samples and count < self._samples[-1][2]:
@@ -50,9 +54,9 @@ class TokenLatency:
         while len(self._samples) > 2 and self._samples[1][0] <= now - ITL_WINDOW:
             self._samples.popleft()
         _, old_total, old_count = self._samples[0]
-        if count - old_count >= MIN_TOKENS:
+        if count - old_count >= self._minimum:
             self.value = (total - old_total) / (count - old_count)
-        elif self.value is None and count >= MIN_TOKENS:
+        elif self.value is None and count >= self._minimum:
             self.value = total / count  # first sight of a node that already served: its whole history
         return self.value
 
@@ -64,6 +68,7 @@ class LoadWatcher:
         self._interval = interval
         self._head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode("latin-1")
         self._latency: dict[str, TokenLatency] = {}
+        self._hit_rates: dict[str, TokenLatency] = {}
 
     async def run(self) -> None:
         limit = asyncio.Semaphore(PARALLEL_SCRAPES)
@@ -73,6 +78,7 @@ class LoadWatcher:
             if len(self._latency) > 2 * len(states) + 100:  # nodes come and go
                 keep = {s.entry_key for s in states}
                 self._latency = {k: v for k, v in self._latency.items() if k in keep}
+                self._hit_rates = {k: v for k, v in self._hit_rates.items() if k in keep}
             await asyncio.gather(*(self._scrape(s, limit) for s in states))
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
@@ -102,9 +108,13 @@ class LoadWatcher:
             parsed = read_node_load(page)
             latency = read_token_latency(page)
             asleep = read_asleep(page)
+            cache = read_prefix_cache(page)
         now = time.monotonic()
         self._pool.set_asleep(state, bool(asleep))
         self._pool.set_load(state, *(parsed or (0, 0, 0.0)), at=now)
         if latency is not None:
             tracker = self._latency.setdefault(state.entry_key, TokenLatency())
             self._pool.set_token_latency(state, tracker.add(now, *latency))
+        if cache is not None:
+            rate = self._hit_rates.setdefault(state.entry_key, TokenLatency(minimum=1))
+            self._pool.set_prefix_hit_rate(state, rate.add(now, *cache))

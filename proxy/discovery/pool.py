@@ -39,6 +39,8 @@ class NodeState:
     """The node's KV-cache usage, 0 to 1, from its /metrics when --scrape-load is on."""
     node_itl: float | None = None
     """The node's recent mean seconds between output tokens, from its /metrics (None: not known yet)."""
+    prefix_hit_rate: float | None = None
+    """The node's prefix-cache hits per queried token over the last seconds, from its /metrics (None: unknown)."""
     load_at: float | None = None
     """``time.monotonic()`` of the last successful scrape of the node's /metrics (None: never)."""
     served: int = 0
@@ -183,6 +185,10 @@ class Pool:
     def set_token_latency(self, state: NodeState, seconds: float | None) -> None:
         """The node's recent mean time between output tokens (its speed; None until known)."""
         state.node_itl = seconds
+
+    def set_prefix_hit_rate(self, state: NodeState, rate: float | None) -> None:
+        """The node's recent prefix-cache hit rate (shown, not routed on)."""
+        state.prefix_hit_rate = rate
 
     def set_health(
         self, state: NodeState, *, failures: int, probation: bool, ejections: int | None = None,
