@@ -30,6 +30,7 @@ from vllm_etcd_proxy.proxy.discovery.prober import ModelProber
 from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
+from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
@@ -194,6 +195,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             backend_auth=backend_auth,
         ).routes(),  # fmt: skip
         *ModelRoutes(pool, keys).routes(),
+        *DashboardRoutes().routes(),
     ]
     operator_app = Starlette(
         routes=routes,

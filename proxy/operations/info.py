@@ -47,6 +47,7 @@ def _node_load(state: NodeState) -> dict[str, Any] | None:
         "waiting": state.node_waiting,
         "kv_cache_usage": state.kv_usage,
         "inter_token_latency_seconds": state.node_itl,
+        "prefix_cache_hit_rate": state.prefix_hit_rate,
         "age_seconds": round(time.monotonic() - state.load_at, 3),
     }
 
