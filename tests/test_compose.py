@@ -213,8 +213,11 @@ def test_published_ports_are_valid_and_unique_and_haproxy_is_the_only_entry_poin
             assert 0 < host < 65536 and 0 < container < 65536, f"{name}: {port}"
             assert host not in seen, f"host port {host} published by {seen.get(host)} and {name}"
             seen[host] = name
+            if profiles(service) == ["observe"]:
+                assert parts[0] == "127.0.0.1", f"{name}: an operator's tool is published on loopback only"
     assert seen.get(8000) == "haproxy"
-    assert set(seen.values()) == {"haproxy"}, "only the balancer is published"
+    default = {n for n in seen.values() if not profiles(SERVICES[n])}
+    assert default == {"haproxy"}, "only the balancer is published by the default stack"
 
 
 # ---- command lines through our real parsers ----
@@ -358,7 +361,7 @@ def test_docker_compose_config_accepts_the_file_and_both_profiles() -> None:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (optional: apt-get install docker-compose)")
-    for extra in ([], ["--profile", "vllm"]):
+    for extra in ([], ["--profile", "vllm"], ["--profile", "observe"]):
         done = subprocess.run([binary, "-f", str(COMPOSE), *extra, "config", "-q"], capture_output=True, text=True,
                               timeout=60, cwd=REPO)  # fmt: skip
         assert done.returncode == 0, done.stderr
@@ -370,3 +373,53 @@ def test_haproxy_accepts_its_config() -> None:
         pytest.skip("haproxy is not installed (optional: apt-get install haproxy)")
     done = subprocess.run([binary, "-c", "-f", str(HAPROXY_CFG)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---- profile observe: Prometheus and Grafana, provisioned with our rules and dashboard ----
+
+OBSERVE = REPO / "docs"
+
+
+def _mounted(service: dict[str, Any], target: str) -> Path:
+    """The repository file or folder ``service`` mounts at ``target``."""
+    for volume in service.get("volumes") or []:
+        source, inside = volume.split(":")[:2]
+        if inside == target:
+            return REPO / source
+    raise AssertionError(f"nothing is mounted at {target}")
+
+
+def test_the_observe_profile_has_prometheus_and_grafana_and_nothing_of_the_default_stack() -> None:
+    observe = {name for name, s in SERVICES.items() if "observe" in profiles(s)}
+    assert observe == {"prometheus", "grafana"}
+    assert all(profiles(SERVICES[name]) == ["observe"] for name in observe)
+
+
+def test_prometheus_scrapes_every_replica_and_loads_the_alerting_rules() -> None:
+    service = SERVICES["prometheus"]
+    argv = argv_of(service)
+    config_path = flag(argv, "--config.file") or ""
+    config = yaml.safe_load(_mounted(service, config_path).read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    expected = set()
+    for name, proxy in proxy_services().items():
+        expected.add(f"{name}:{proxy_parser().parse_args(argv_of(proxy)[1:]).port}")
+    assert targets == expected, "Prometheus scrapes the replicas (each re-exports every node's load)"
+    for rules in config["rule_files"]:
+        assert _mounted(service, rules) == OBSERVE / "prometheus" / "alerts.yml"
+
+
+def test_grafana_is_provisioned_with_the_stacks_prometheus_and_our_dashboard() -> None:
+    service = SERVICES["grafana"]
+    provisioning = _mounted(service, "/etc/grafana/provisioning")
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    port = flag(argv_of(SERVICES["prometheus"]), "--web.listen-address") or ":9090"
+    assert source["url"] == f"http://prometheus:{port.rsplit(':', 1)[1]}"
+    dashboard = json.loads((OBSERVE / "grafana" / "vllm-proxy.json").read_text())
+    uids = {p["datasource"]["uid"] for p in dashboard["panels"] if "datasource" in p}
+    assert uids == {source["uid"]}, "every panel reads the provisioned data source"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "vllm-proxy.yml").read_text())["providers"]
+    folder = provider["options"]["path"]
+    assert _mounted(service, f"{folder}/vllm-proxy.json") == OBSERVE / "grafana" / "vllm-proxy.json"
+    home = env_of(service).get("GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH")
+    assert home == f"{folder}/vllm-proxy.json"
