@@ -129,7 +129,8 @@ async def test_a_busy_node_is_passed_over_but_never_ejected(busy: int) -> None:
         for _ in range(6):
             assert (await client.post("/v1/completions", json=completion())).status_code == 200
         state = await workers(client)
-        assert transport.calls.count(NODE_A) >= 2
+        # A 429 leaves the node in rotation; a 503 holds it for BUSY_HOLD s, so these quick requests try it once.
+        assert transport.calls.count(NODE_A) >= (2 if busy == 429 else 1)
         assert state[NODE_A]["ejected"] is False and state[NODE_A]["consecutive_failures"] == 0
 
 
