@@ -146,3 +146,16 @@ def test_tracing_without_the_otel_extra_is_refused_at_start_with_what_to_install
         dead.close()
     assert done.returncode == 2
     assert "pip install 'vllm-etcd-proxy[otel]'" in done.stderr
+
+
+@pytest.mark.parametrize(("flag", "environ", "expected"), [
+    (None, {}, None),
+    ("http://collector:4318", {}, "http://collector:4318/v1/traces"),
+    ("collector:4318/", {}, "http://collector:4318/v1/traces"),
+    ("https://collector/otlp/v1/traces", {}, "https://collector/otlp/v1/traces"),
+    (None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, "http://c:4318/v1/traces"),
+    ("http://flag:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://env:4318"}, "http://flag:4318/v1/traces"),
+    ("http://collector:4318", {"OTEL_SDK_DISABLED": "true"}, None),
+])  # fmt: skip
+def test_where_traces_go(flag: str | None, environ: dict[str, str], expected: str | None) -> None:
+    assert traces_endpoint(flag, environ) == expected
