@@ -1,77 +1,48 @@
 """The simulated node's HTTP API: vLLM's OpenAI-compatible routes plus /sim/* controls for tests.
 
 Routes: GET /health, /metrics, /version, /v1/models; POST /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize; GET|POST /sim/config; GET|DELETE /sim/requests. Any other POST is recorded, then 404.
+/detokenize; the node-admin routes of ``admin``; GET|POST /sim/config; GET|DELETE /sim/requests. Any other
+request is recorded, then 404.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Scope
 
-from vllm_etcd_proxy.sim import disagg, protocol, tokens
-from vllm_etcd_proxy.sim.engine import Engine, Job, Record
+from vllm_etcd_proxy.sim import admin, audio, disagg, protocol, realtime, responses, tokens
+from vllm_etcd_proxy.sim.engine import Engine, Job
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.metrics import make_registry
-from vllm_etcd_proxy.sim.middleware import ApiKey, ClientGone, NodeHeader, until_disconnect
+from vllm_etcd_proxy.sim.middleware import ApiKey, ClientGone, NodeHeader, Scaling, until_disconnect
 from vllm_etcd_proxy.sim.protocol import GenRequest, Kind
+from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record, raw_body
 from vllm_etcd_proxy.sim.settings import SimSettings
 from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
 from vllm_etcd_proxy.sim.wire import DONE_EVENT, Wire, model_list, usage
 
 
-def _engine(request: Request) -> Engine:
-    engine: Engine = request.app.state.engine
-    return engine
-
-
-def _record(request: Request) -> Record:
-    record = Record(
-        id="",
-        request_id=request.headers.get("x-request-id"),
-        path=request.url.path,
-        authorization=request.headers.get("authorization"),
-        cookie=request.headers.get("cookie"),
-    )
-    _engine(request).receive(record)
-    return record
-
-
-async def _json_body(request: Request, record: Record | None = None) -> Any:
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
-    raw = await request.body()
-    if record is not None:
-        record.body_sha256 = hashlib.sha256(raw).hexdigest()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"JSON decode error: {exc}") from None
-
-
 async def _generate(request: Request, kind: Kind) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     settings = engine.settings
-    record = _record(request)
+    record = new_record(request)
     try:
-        req = protocol.parse(kind, await _json_body(request, record))
+        req = protocol.parse(kind, await json_body(request, record))
         record.model, record.stream, record.prompt_tokens = req.model, req.stream, req.prompt_tokens
         record.max_tokens, record.kv_transfer_params = req.max_tokens, req.kv_transfer_params
-        protocol.check_model(req.model, settings.models)
+        protocol.check_model(req.model, engine.served_names)
         protocol.check_context(req, settings.max_model_len)
-        wire = Wire(req, record.request_id or req.body_request_id, settings.served_model)
+        wire = Wire(req, record.request_id or req.body_request_id, engine.model_name(req.model))
         record.id = wire.id
         if engine.should_fail():
             raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
@@ -156,7 +127,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    engine = _engine(request)
+    engine = engine_of(request)
     settings = engine.settings
     starting = time.monotonic() - engine.started_at < settings.startup_delay
     flipped = settings.unhealthy_file is not None and settings.unhealthy_file.exists()
@@ -164,8 +135,9 @@ async def health(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    settings = _engine(request).settings
-    return JSONResponse(model_list(settings.models, settings.max_model_len))
+    engine = engine_of(request)
+    settings = engine.settings
+    return JSONResponse(model_list(settings.models, settings.max_model_len, settings.root, engine.loras))
 
 
 async def metrics(request: Request) -> Response:
@@ -178,11 +150,11 @@ async def version(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     """vLLM's /tokenize: a ``prompt`` text, or ``messages`` rendered by the chat template."""
-    engine, record = _engine(request), _record(request)
+    engine, record = engine_of(request), new_record(request)
     try:
-        body = await _json_body(request)
+        body = await json_body(request, record)
         ids = protocol.tokenize_ids(body)
-        protocol.check_model(body.get("model"), engine.settings.models)
+        protocol.check_model(body.get("model"), engine.served_names)
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
@@ -196,11 +168,11 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     """vLLM's /detokenize: the text of token ids (each token's word after a space)."""
-    engine, record = _engine(request), _record(request)
+    engine, record = engine_of(request), new_record(request)
     try:
-        body = await _json_body(request)
+        body = await json_body(request, record)
         ids = protocol.detokenize_ids(body)
-        protocol.check_model(body.get("model"), engine.settings.models)
+        protocol.check_model(body.get("model"), engine.served_names)
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
@@ -209,16 +181,17 @@ async def detokenize(request: Request) -> Response:
     return JSONResponse({"prompt": tokens.decode(ids)})
 
 
-async def unknown_post(request: Request) -> Response:
+async def unknown_route(request: Request) -> Response:
     """Recorded so proxy tests can see what was forwarded; 404 in FastAPI's shape, as vLLM answers."""
-    engine, record = _engine(request), _record(request)
+    engine, record = engine_of(request), new_record(request)
+    await raw_body(request, record)
     engine.reject(record, 404)
     return JSONResponse({"detail": "Not Found"}, status_code=404)
 
 
 async def sim_config(request: Request) -> Response:
     """GET: identity and knobs. POST: change knobs, e.g. ``{"ttft": 1.0, "hang": true}``."""
-    engine = _engine(request)
+    engine = engine_of(request)
     if request.method == "POST":
         try:
             changes = json.loads(await request.body())
@@ -236,7 +209,7 @@ async def sim_config(request: Request) -> Response:
 
 async def sim_requests(request: Request) -> Response:
     """GET: counters and recent requests. DELETE: forget the recent requests (counters stay)."""
-    engine = _engine(request)
+    engine = engine_of(request)
     if request.method == "DELETE":
         engine.records.clear()
     return JSONResponse(engine.snapshot())
@@ -249,7 +222,15 @@ async def api_error(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: SimSettings) -> Starlette:
     """A new node: its own engine and metrics registry, nothing shared with other apps in the process."""
-    middleware = [Middleware(NodeHeader, node_id=settings.name)]
+    engine = Engine(settings)
+
+    def refused(scope: Scope) -> None:
+        engine.reject(new_record(HTTPConnection(scope)), 503)
+
+    middleware = [
+        Middleware(NodeHeader, node_id=settings.name),
+        Middleware(Scaling, is_scaling=lambda: engine.knobs.scaling, refused=refused),
+    ]
     if settings.api_key:
         middleware.append(Middleware(ApiKey, key=settings.api_key))
     routes = [
@@ -263,10 +244,15 @@ def create_app(settings: SimSettings) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/sim/config", sim_config, methods=["GET", "POST"]),
         Route("/sim/requests", sim_requests, methods=["GET", "DELETE"]),
-        Route("/{path:path}", unknown_post, methods=["POST"]),
+        *responses.ROUTES,
+        *audio.ROUTES,
+        *realtime.ROUTES,
+        *admin.ROUTES,
+        Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error})
-    engine = Engine(settings)
     app.state.engine = engine
+    app.state.responses = {}
+    app.state.realtime = {}
     app.state.registry = make_registry(engine)
     return app

@@ -34,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
         help="served model name, repeatable; the first names responses and metrics (default sim-model; "
         "VLLM_SIM_MODEL takes a comma-separated list)",
     )  # fmt: skip
+    add("--model-root", str, defaults.model_root, "the model path vLLM would serve (root of the base model cards)")
+    parser.add_argument(
+        "--lora", action="append", default=None, metavar="NAME[=PATH]",
+        help="serve a LoRA adapter beside the base model (repeatable; VLLM_SIM_LORA takes a comma-separated list)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--scaling", action="store_true", help="answer everything 503 as a vLLM scaling its elastic EP does",
+    )  # fmt: skip
     add("--role", str, str(defaults.role), "prefill, decode or mixed (mixed ignores kv_transfer_params)")
     add("--node-id", str, defaults.node_id, "node id (default host:port)")
     add("--ttft", float, defaults.ttft, "seconds to the first token")
@@ -75,11 +83,15 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        environment_defaults(parser, "VLLM_SIM_", argv, lists={"model"}, environ=os.environ if env is None else env)
+        environ = os.environ if env is None else env
+        environment_defaults(parser, "VLLM_SIM_", argv, lists={"model", "lora"}, environ=environ)
     except ValueError as exc:
         parser.error(str(exc))
     args = parser.parse_args(argv)
     models = args.model or ()
+    loras = tuple(_lora(spec) for spec in args.lora or ())
+    if any(not name for name, _ in loras):
+        parser.error("--lora needs a name: NAME or NAME=PATH")
     try:
         role = Role(args.role)
     except ValueError:
@@ -94,6 +106,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         host=args.host,
         port=args.port,
         models=tuple(models) or SimSettings().models,
+        model_root=args.model_root,
+        loras=loras,
         role=role,
         node_id=args.node_id,
         ttft=args.ttft,
@@ -115,8 +129,15 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         cache_blocks=args.cache_blocks,
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
+        scaling=args.scaling,
         log_level=args.log_level,
     )
+
+
+def _lora(spec: str) -> tuple[str, str]:
+    """``NAME=PATH`` or ``NAME`` (its path then ``/adapters/NAME``)."""
+    name, _, path = spec.partition("=")
+    return name.strip(), path.strip() or f"/adapters/{name.strip()}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

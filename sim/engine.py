@@ -93,8 +93,8 @@ class Record:
     model: str | None = None
     stream: bool = False
     state: str = "received"
-    """received -> [hung ->] waiting -> running [-> hung (hang_after_tokens) ...] -> done | cancelled | failed;
-    or rejected (an error answer)."""
+    """received -> [hung ->] [sleeping ->] waiting -> running [-> hung (hang_after_tokens) ...] -> done | cancelled
+    | failed; or rejected (an error answer); a WebSocket session is open -> closed."""
     status: int | None = None
     cancelled: bool = False
     prompt_tokens: int = 0
@@ -106,6 +106,31 @@ class Record:
     """kv_transfer_params exactly as received."""
     prefill: dict[str, Any] | None = None
     """On a decode leg: the remote_engine_id, remote_host and remote_port the KV was pulled from."""
+    method: str = "POST"
+    """The HTTP method, or ``WEBSOCKET`` for a WebSocket session."""
+    query: str = ""
+    """The query string as received (without the ``?``)."""
+    content_type: str | None = None
+    body_length: int | None = None
+    """Bytes of the request body as received (with body_sha256: what the proxy forwarded, byte for byte)."""
+    body_request_id: str | None = None
+    """The body's ``request_id`` field (vLLM names a Responses API response by it)."""
+    session_id: str | None = None
+    """The body's ``session_id`` field."""
+    cache_salt: str | None = None
+    """The body's ``cache_salt`` field."""
+    priority: int | None = None
+    """The body's ``priority`` field."""
+    data_parallel_rank: str | None = None
+    """The ``X-data-parallel-rank`` header as received."""
+    traceparent: str | None = None
+    """The ``traceparent`` header as received."""
+    upload_sha256: str | None = None
+    """SHA-256 of the uploaded ``file`` of a multipart audio request, as the node parsed it."""
+    upload_size: int | None = None
+    upload_filename: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    """Route-specific facts: form fields of an audio request, events and close of a WebSocket session, ..."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,6 +170,12 @@ class Engine:
         self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks)
         self._next_block = 1
         self.hung = 0
+        self.loras: dict[str, str] = dict(settings.loras)
+        """LoRA adapters served now, name -> path: the startup ones plus /v1/load_lora_adapter's."""
+        self.sleep_level = 0
+        """0 awake; 1 or 2 after POST /sleep: generation waits for POST /wake_up."""
+        self._awake = asyncio.Event()
+        self._awake.set()
         self.apply_knobs({})
 
     def apply_knobs(self, changes: dict[str, Any]) -> None:
@@ -156,6 +187,35 @@ class Engine:
             self._unhung.clear()
         else:
             self._unhung.set()
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Names a request may ask for: the served model names, then the LoRA adapters."""
+        return (*self.settings.models, *self.loras)
+
+    def model_name(self, requested: str | None) -> str:
+        """The name responses carry: a LoRA adapter's own, else the first served name (vLLM's model_name)."""
+        return requested if requested is not None and requested in self.loras else self.settings.served_model
+
+    def sleep(self, level: int) -> None:
+        """Sleep mode: new and waiting generations hold (the scheduler is paused) and the KV cache is dropped."""
+        self.sleep_level = level
+        self._awake.clear()
+        self.cache.clear()
+
+    def wake_up(self) -> None:
+        self.sleep_level = 0
+        self._awake.set()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    async def until_awake(self, record: Record) -> None:
+        """Hold ``record``'s request while the node sleeps."""
+        if not self._awake.is_set():
+            record.state = "sleeping"
+            await self._awake.wait()
 
     def receive(self, record: Record) -> None:
         self.records.append(record)
@@ -195,6 +255,7 @@ class Engine:
                     await self._unhung.wait()
                 finally:
                     self.hung -= 1
+            await self.until_awake(record)
             if on_accept is not None:
                 await on_accept()
             record.state = "waiting"

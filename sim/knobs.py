@@ -26,6 +26,8 @@ class Knobs:
     hang_after_tokens: int
     set_cookie: str
     """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
+    scaling: bool
+    """While true, every request but /sim/* is answered 503 as by vLLM's elastic-EP scaling (``scaling.py``)."""
 
     @classmethod
     def from_settings(cls, settings: SimSettings) -> Knobs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.datastructures import Headers
@@ -50,6 +50,26 @@ class ApiKey:
             await self.app(scope, receive, send)
             return
         await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
+SCALING_ERROR = {"error": "The model is currently scaling. Please try again later."}
+"""vLLM's elastic-EP ScalingMiddleware answer, with status 503, to every HTTP request while it scales."""
+
+
+class Scaling:
+    """503 to every request but the simulator's own /sim/* while ``is_scaling()``; each refusal is recorded."""
+
+    def __init__(self, app: ASGIApp, is_scaling: Callable[[], bool], refused: Callable[[Scope], None]):
+        self.app = app
+        self.is_scaling = is_scaling
+        self.refused = refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/sim/") or not self.is_scaling():
+            await self.app(scope, receive, send)
+            return
+        self.refused(scope)
+        await JSONResponse(SCALING_ERROR, status_code=503)(scope, receive, send)
 
 
 class ClientGone(Exception):

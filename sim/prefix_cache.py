@@ -105,6 +105,10 @@ class PrefixCache:
             self._unpin(block)
         self._evict()
 
+    def clear(self) -> None:
+        """Forget every cached block no running request holds (reset_prefix_cache, sleep)."""
+        self._free.clear()
+
     def _pin(self, block: bytes) -> None:
         self._free.pop(block, None)
         self._pinned[block] = self._pinned.get(block, 0) + 1

@@ -31,6 +31,12 @@ class SimSettings:
     """Listen port (vLLM's default is 8000; 8100 is the usual prefill port in the disagg examples)."""
     models: tuple[str, ...] = ("sim-model",)
     """Served model names; like vLLM's --served-model-name, the first one names responses and metrics."""
+    model_root: str = ""
+    """The model path vLLM was started with (``root`` of the base models' cards); empty means the first served
+    name, as vLLM's default served name is the model path."""
+    loras: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters served beside the base model, as vLLM's --lora-modules NAME=PATH: each has a model card with
+    ``parent`` the first served name and ``root`` its path, and requests may name it."""
     role: Role = Role.MIXED
     """prefill/decode answer kv_transfer_params like NixlConnector; mixed has no connector and ignores them."""
     node_id: str = ""
@@ -79,6 +85,8 @@ class SimSettings:
     """Tokens per KV block (vLLM's --block-size): the prefix cache's unit, and what sizes remote_block_ids."""
     cache_blocks: int = 4096
     """KV blocks of the simulated cache (64k tokens at block size 16); 0 disables prefix caching."""
+    scaling: bool = False
+    """Answer every request (but /sim/*) with 503 as vLLM's elastic-EP ScalingMiddleware does while it scales."""
     log_level: str = "info"
     """Python logging level name."""
 
@@ -98,6 +106,11 @@ class SimSettings:
     def served_model(self) -> str:
         """The name vLLM puts in responses and metric labels whatever alias was requested."""
         return self.models[0]
+
+    @property
+    def root(self) -> str:
+        """``root`` of the base models' cards."""
+        return self.model_root or self.served_model
 
     @property
     def kv_host(self) -> str:

@@ -135,19 +135,28 @@ class Wire:
         return f"data: {dumps(obj)}\n\n"
 
 
-def model_list(served: tuple[str, ...], max_model_len: int) -> dict[str, Any]:
-    """GET /v1/models: ModelList of ModelCard, each with one ModelPermission, as vLLM's serving_models."""
+def _permission(now: int) -> dict[str, Any]:
+    return {
+        "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+        "organization": "*", "group": None, "is_blocking": False,
+    }  # fmt: skip
+
+
+def model_list(served: tuple[str, ...], max_model_len: int, root: str, loras: dict[str, str]) -> dict[str, Any]:
+    """GET /v1/models: ModelList of ModelCard, each with one ModelPermission, as vLLM's serving_models: base
+    models carry ``root`` (the model path) and ``max_model_len``; LoRA adapters their path as ``root``, the first
+    served name as ``parent`` and no ``max_model_len``."""
     now = int(time.time())
-    cards = []
-    for name in served:
-        permission = {
-            "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-            "organization": "*", "group": None, "is_blocking": False,
-        }  # fmt: skip
-        cards.append({
-            "id": name, "object": "model", "created": now, "owned_by": "vllm", "root": served[0],
-            "parent": None, "max_model_len": max_model_len, "permission": [permission],
-        })  # fmt: skip
+    cards = [
+        {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": root, "parent": None,
+         "max_model_len": max_model_len, "permission": [_permission(now)]}
+        for name in served
+    ]  # fmt: skip
+    cards += [
+        {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": path, "parent": served[0],
+         "max_model_len": None, "permission": [_permission(now)]}
+        for name, path in loras.items()
+    ]  # fmt: skip
     return {"object": "list", "data": cards}

@@ -119,7 +119,7 @@ class SimNode:
 
     def configure(self, **changes: Any) -> dict[str, Any]:
         """POST /sim/config: ttft, itl, prefill_per_token, output_len, max_num_seqs, fail_rate, fail_status,
-        fail_after_tokens, hang, hang_after_tokens, set_cookie."""
+        fail_after_tokens, hang, hang_after_tokens, set_cookie, scaling."""
         response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
@@ -133,9 +133,11 @@ class SimNode:
         return result
 
     def requests(self) -> list[dict[str, Any]]:
-        """Recent requests, oldest first: id, request_id, path, model, stream, state, status, cancelled,
-        prompt_tokens, cached_tokens, completion_tokens, max_tokens, kv_transfer_params, prefill, authorization,
-        cookie."""
+        """Recent requests, oldest first: id, request_id (the X-Request-Id header), path, query, method,
+        content_type, body_sha256, body_length, body_request_id, session_id, cache_salt, priority,
+        data_parallel_rank, traceparent, model, stream, state, status, cancelled, prompt_tokens, cached_tokens,
+        completion_tokens, max_tokens, kv_transfer_params, prefill, authorization, cookie, upload_sha256,
+        upload_size, upload_filename, detail."""
         return list(self.snapshot()["requests"])
 
     def clear_requests(self) -> None:
