@@ -38,6 +38,7 @@ from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_PO
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
+from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
@@ -198,6 +199,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
     )
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
-                          operator_app, keys=keys,
+                          operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()))  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)

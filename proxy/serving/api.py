@@ -28,6 +28,7 @@ from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit
 from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
 from vllm_etcd_proxy.proxy.serving.relay import Exchange, Relay, ResumePlan, send_error
 from vllm_etcd_proxy.proxy.serving.resume import not_resumable
+from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 
 KNOWN_ROUTES = frozenset(
@@ -53,6 +54,7 @@ class OpenAIRoutes:
         fallback: ASGIApp,
         *,
         keys: ClientKeys,
+        websockets: WebSocketProxy,
         affinity: bool = False,
     ) -> None:
         self._affinity = affinity
@@ -68,6 +70,7 @@ class OpenAIRoutes:
         self._metrics = metrics
         self._relay = Relay(metrics)
         self._fallback = fallback
+        self._websockets = websockets
         self._limits = BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
         self._session_header = settings.affinity_header.encode("latin-1")
         key = settings.backend_api_key
@@ -81,6 +84,9 @@ class OpenAIRoutes:
             if path.startswith("/v1/") or path == "/tokenize" or path == "/detokenize":
                 await self._handle(scope, receive, send, path)
                 return
+        elif scope["type"] == "websocket":
+            await self._websockets(scope, receive, send)
+            return
         await self._fallback(scope, receive, send)
 
     def _check_routable(self, model: str, roles: tuple[Role, ...]) -> None:
