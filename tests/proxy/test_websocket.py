@@ -7,7 +7,7 @@ import asyncio
 import base64
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Subprotocol
 
 from tests.support.aio import eventually
 from tests.support.procs import HOST, DeadPort
@@ -178,6 +179,15 @@ async def test_an_unknown_model_is_refused_with_the_reason(proxy: ProxyProc) -> 
     assert "`nope` does not exist" in closed.value.rcvd.reason
 
 
+async def test_a_nodes_refusal_of_the_handshake_reaches_the_client(proxy: ProxyProc) -> None:
+    url = proxy.url.replace("http://", "ws://") + "/v1/no-such-socket?model=rt-a"
+    with pytest.raises(InvalidStatus) as caught:
+        async with connect(url, additional_headers=AUTH):
+            pass
+    assert caught.value.response.status_code == 403  # starlette's answer to a WebSocket on no route
+    assert metric(proxy, "vllm_proxy_websocket_sessions_total", route="/v1/other", outcome="refused_by_node") == 1
+
+
 async def test_metrics_count_open_and_ended_sessions(proxy: ProxyProc) -> None:
     labels = {"route": "/v1/realtime"}
     before = metric(proxy, "vllm_proxy_websocket_sessions_total", outcome="client_closed", **labels)
@@ -195,6 +205,21 @@ async def test_metrics_count_open_and_ended_sessions(proxy: ProxyProc) -> None:
     assert metric(proxy, "vllm_proxy_websocket_sessions_open", **labels) == 0
     assert metric(proxy, "vllm_proxy_websocket_sessions_total", outcome="unauthorized", **labels) == refused + 1
     assert [w["in_flight"] for w in proxy.workers()] == [0, 0]
+
+
+async def test_a_backend_key_replaces_the_clients_on_the_way_to_the_node(
+    logs_dir: Path, nodes: dict[str, SimNode]
+) -> None:
+    flags = ("--mixed", nodes["rt-a"].host_port, "--api-key", KEY, "--backend-api-key", "node-key")
+    replica = await asyncio.to_thread(ProxyProc, logs_dir, *flags)
+    try:
+        await asyncio.to_thread(replica.wait_routable, "mixed", nodes["rt-a"].host_port)
+        async with connect(ws_url(replica), additional_headers={**AUTH, "x-request-id": "rt-backend"}) as ws:
+            await receive(ws)
+        record = await session_record(nodes["rt-a"], "rt-backend", state="closed")
+        assert record["authorization"] == "Bearer node-key"
+    finally:
+        await asyncio.to_thread(replica.stop)
 
 
 async def test_a_node_killed_mid_session_closes_the_client_with_1011(logs_dir: Path) -> None:
@@ -242,7 +267,10 @@ class EchoNode:
 @pytest.fixture
 async def echo() -> AsyncIterator[EchoNode]:
     node = EchoNode()
-    async with serve(node.handler, HOST, 0, subprotocols=None) as server:
+    def select(connection: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
+        return Subprotocol("echo.v1") if "echo.v1" in offered else None
+
+    async with serve(node.handler, HOST, 0, select_subprotocol=select) as server:
         node.server = server
         yield node
 
@@ -273,7 +301,8 @@ async def test_binary_stays_binary_and_text_stays_text_on_any_route(
         assert echo.closes == [(4004, "client reason")] * 3 and echo.paths == ["/v1/some/socket?x=1"] * 3
         assert metric(replica, "vllm_proxy_upstream_requests_total", role="mixed", node=f"{HOST}:{dead_port.port}",
                       outcome="connect_error") >= 1  # fmt: skip
-        async with connect(url) as ws:
+        async with connect(url, subprotocols=[Subprotocol("other"), Subprotocol("echo.v1")]) as ws:
+            assert ws.subprotocol == "echo.v1"  # the node's choice among the client's
             await ws.send("close please")
             with pytest.raises(ConnectionClosed) as caught:
                 await asyncio.wait_for(ws.recv(), 10.0)
