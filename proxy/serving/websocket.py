@@ -81,17 +81,17 @@ class WebSocketProxy:
             await _deny(scope, send, denied)
             self._metrics.websocket_done(route, denied.outcome)
             return
+        async def reconnect(model: str) -> Link:
+            return await self.connect(model, hello)
+
+        session = Session(receive, send, link, connect=reconnect, release=self._release_link,
+                          request_id=client.request_id, routed=bool(models))  # fmt: skip
         headers = [(b"x-request-id", client.request_id.encode())]
-        await send({"type": "websocket.accept", "subprotocol": link.ws.subprotocol, "headers": headers})
         self._metrics.websocket_opened(route)
         outcome = "error"
         try:
-            async def reconnect(model: str) -> Link:
-                return await self.connect(model, hello)
-
-            session = Session(receive, send, link, connect=reconnect, release=self._release_link,
-                              request_id=client.request_id, routed=bool(models))  # fmt: skip
-            outcome = await session.run()
+            outcome = await session.run({"type": "websocket.accept", "subprotocol": link.ws.subprotocol,
+                                         "headers": headers})  # fmt: skip
         finally:
             self._metrics.websocket_done(route, outcome, opened=True)
 

@@ -111,11 +111,12 @@ class Session:
         if not self._ended.done():
             self._ended.set_result((outcome, code, reason))
 
-    async def run(self) -> str:
-        """Relay until one side closes; close the other with the same code; the outcome for metrics."""
-        self._tasks.append(asyncio.create_task(self._from_client()))
-        self._tasks.append(asyncio.create_task(self._from_node(self._link)))
+    async def run(self, accept: Message) -> str:
+        """Accept the client, relay until one side closes, close the other with the same code; the outcome."""
         try:
+            await self._send(accept)
+            self._tasks.append(asyncio.create_task(self._from_client()))
+            self._tasks.append(asyncio.create_task(self._from_node(self._link)))
             outcome, code, reason = await self._ended
             if outcome == "client_closed":
                 await self._link.ws.close(_sendable(code, 1001), reason)
