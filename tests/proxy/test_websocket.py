@@ -207,6 +207,26 @@ async def test_metrics_count_open_and_ended_sessions(proxy: ProxyProc) -> None:
     assert [w["in_flight"] for w in proxy.workers()] == [0, 0]
 
 
+async def test_sessions_through_either_of_two_replicas_reach_their_models_node(
+    logs_dir: Path, proxy: ProxyProc, nodes: dict[str, SimNode]
+) -> None:
+    flags = [arg for node in nodes.values() for arg in ("--mixed", node.host_port)]
+    second = await asyncio.to_thread(ProxyProc, logs_dir, *flags, "--api-key", KEY, name="proxy-2")
+    try:
+        for node in nodes.values():
+            await asyncio.to_thread(second.wait_routable, "mixed", node.host_port)
+        for replica, model in ((proxy, "rt-b"), (second, "rt-b"), (second, "rt-a")):
+            rid = f"rt-{replica.port}-{model}"
+            async with connect(ws_url(replica), additional_headers={**AUTH, "x-request-id": rid}) as ws:
+                await receive(ws)
+                await ws.send(json.dumps({"type": "session.update", "model": model}))
+                assert (await transcribe(ws))["type"] == "transcription.done"
+            record = await session_record(nodes[model], rid, state="closed")
+            assert (record["detail"]["closed_by"], record["detail"]["close_code"]) == ("client", 1000)
+    finally:
+        await asyncio.to_thread(second.stop)
+
+
 async def test_a_backend_key_replaces_the_clients_on_the_way_to_the_node(
     logs_dir: Path, nodes: dict[str, SimNode]
 ) -> None:
