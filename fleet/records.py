@@ -10,13 +10,14 @@ import ipaddress
 import json
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from google.protobuf import json_format
 
 from vllm_etcd_proxy.fleet.pb import node_record_pb2
+from vllm_etcd_proxy.fleet.vllm import ModelCard, plain_numbers
 
 MAX_VALUE_BYTES = 64 * 1024
 """A record larger than this is refused: real ones are a few hundred bytes."""
@@ -62,6 +63,8 @@ class Node:
     """The etcd key this node came from, if any."""
     learn_models: bool = False
     """True when the record named no models, so the proxy asks the node."""
+    cards: Mapping[str, ModelCard] = field(default_factory=dict)
+    """The node's own model list entries by model id (from the record's ``model_cards``), when it gave them."""
 
     @property
     def host_port(self) -> str:
@@ -167,7 +170,7 @@ class KeyLayout:
         if not value.strip():
             host, port = split_host_port(node_id)
             return Node(node_id=node_id, role=role, url=f"http://{host}:{port}", key=key_text, learn_models=True)
-        record = decode_record(value)
+        record, obj = _decode(value)
         if record.role and record.role != role.value:
             raise InvalidRecord(f"record role {record.role!r} does not match key role {role.value!r}")
         url = validate_url(record.url) if record.url else None
@@ -189,11 +192,26 @@ class KeyLayout:
             source=Source.ADMIN if record.source == "admin" else Source.ETCD,
             key=key_text,
             learn_models=not models,
+            cards=_cards(obj.get("model_cards"), models),
         )
+
+
+def _cards(given: object, models: tuple[str, ...]) -> dict[str, ModelCard]:
+    """The record's model cards for the models it names (the proto parse already checked they are objects)."""
+    cards: dict[str, ModelCard] = {}
+    for card in given if isinstance(given, list) else ():
+        model_id = card.get("id") if isinstance(card, dict) else None
+        if isinstance(model_id, str) and model_id in models:
+            cards.setdefault(model_id, plain_numbers(card))
+    return cards
 
 
 def decode_record(value: bytes) -> node_record_pb2.NodeRecord:
     """Parse a non-empty value as a NodeRecord in proto3 JSON (unknown fields ignored)."""
+    return _decode(value)[0]
+
+
+def _decode(value: bytes) -> tuple[node_record_pb2.NodeRecord, dict[str, object]]:
     if len(value) > MAX_VALUE_BYTES:
         raise InvalidRecord(f"value is {len(value)} bytes, more than {MAX_VALUE_BYTES}")
     try:
@@ -207,9 +225,19 @@ def decode_record(value: bytes) -> node_record_pb2.NodeRecord:
     if not isinstance(obj, dict):
         raise InvalidRecord("value is not a JSON object")
     try:
-        return json_format.ParseDict(obj, node_record_pb2.NodeRecord(), ignore_unknown_fields=True)
+        return json_format.ParseDict(obj, node_record_pb2.NodeRecord(), ignore_unknown_fields=True), obj
     except json_format.ParseError as exc:
         raise InvalidRecord(f"value is not a node record: {exc}") from None
+
+
+def set_cards(record: node_record_pb2.NodeRecord, cards: Iterable[ModelCard]) -> None:
+    """Put a node's model list entries into ``record`` (replacing any it had), as many as fit in half of
+    ``MAX_VALUE_BYTES`` (a node with hundreds of adapters keeps its model names; readers show plain cards)."""
+    del record.model_cards[:]
+    for card in cards:
+        record.model_cards.add().update(dict(card))
+    while record.model_cards and len(encode_record(record)) > MAX_VALUE_BYTES // 2:
+        del record.model_cards[-1]
 
 
 def encode_record(record: node_record_pb2.NodeRecord) -> bytes:

@@ -10,6 +10,7 @@ mode, which tries every position of the page.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
@@ -19,6 +20,21 @@ _ITL = re.compile(
 _GAUGES = re.compile(
     rb"\nvllm:(num_requests_running|num_requests_waiting|kv_cache_usage_perc)(?:\{[^}\n]*\})?[ \t]+(\S+)"
 )
+
+
+_AWAKE = re.compile(rb'\nvllm:engine_sleep_state\{[^}\n]*sleep_state="awake"[^}\n]*\}[ \t]+(\S+)')
+
+
+def read_asleep(text: bytes) -> bool | None:
+    """True when every engine of the node is asleep (``vllm:engine_sleep_state{sleep_state="awake"}`` 0, after
+    ``POST /sleep``), False when one is awake, None when the page does not say (older vLLM)."""
+    values = []
+    for value in _AWAKE.findall(b"\n" + text):
+        try:
+            values.append(float(value))
+        except ValueError:
+            continue
+    return None if not values else max(values) == 0
 
 
 def read_node_load(text: bytes) -> tuple[int, int, float] | None:
@@ -60,15 +76,36 @@ def read_token_latency(text: bytes) -> tuple[float, float] | None:
     return (chosen[0], chosen[1]) if chosen else None
 
 
-def parse_models(body: Any) -> tuple[str, ...]:
-    """Model ids from an OpenAI list (``{"data": [{"id": ...}, ...]}``), in order, without duplicates; raises
+ModelCard = Mapping[str, Any]
+"""One entry of a node's GET /v1/models, as the node gave it (``id``, ``root``, ``parent``, ``max_model_len``...)."""
+
+
+def parse_model_cards(body: Any) -> tuple[ModelCard, ...]:
+    """The entries of an OpenAI model list (``{"data": [{"id": ...}, ...]}``), in order, one per id; raises
     ``ValueError`` naming what is wrong when the body is not such a list."""
     if not isinstance(body, dict) or not isinstance(body.get("data"), list):
         raise ValueError("/v1/models is not an OpenAI model list")
-    ids: list[str] = []
+    cards: dict[str, ModelCard] = {}
     for entry in body["data"]:
         model_id = entry.get("id") if isinstance(entry, dict) else None
         if not isinstance(model_id, str) or not model_id:
             raise ValueError("/v1/models has an entry without an id")
-        ids.append(model_id)
-    return tuple(dict.fromkeys(ids))
+        cards.setdefault(model_id, plain_numbers(entry))
+    return tuple(cards.values())
+
+
+def parse_models(body: Any) -> tuple[str, ...]:
+    """Model ids from an OpenAI list, in order, without duplicates (see ``parse_model_cards``)."""
+    return tuple(card["id"] for card in parse_model_cards(body))
+
+
+def plain_numbers(value: Any) -> Any:
+    """``value`` with every integral float made an int (protobuf's Struct holds all numbers as doubles, so a
+    card that went through a node record says ``4096.0`` where the node said ``4096``)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {k: plain_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain_numbers(v) for v in value]
+    return value

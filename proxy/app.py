@@ -16,8 +16,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_etcd_proxy.fleet.etcd import EtcdClient
@@ -33,6 +32,7 @@ from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError,
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
+from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
@@ -166,12 +166,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             http.close()
             scrapes.close()
 
-    async def list_models(request: Request) -> Response:
-        keys.check(request.headers.get("authorization"))
-        now = int(time.time())
-        data = [{"id": m, "object": "model", "created": now, "owned_by": "vllm"} for m in pool.models()]
-        return JSONResponse({"object": "list", "data": data})
-
     scraped = registry
     if os.environ.get(METRICS_DIR_ENV):
         # One of several workers (workers.py): counters and histograms summed over all of them, pool gauges ours.
@@ -191,7 +185,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             allowed=settings.admin_allow,
             backend_auth=backend_auth,
         ).routes(),  # fmt: skip
-        Route("/v1/models", list_models, methods=["GET"]),
+        *ModelRoutes(pool, keys).routes(),
     ]
     operator_app = Starlette(
         routes=routes,

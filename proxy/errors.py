@@ -4,6 +4,7 @@ ProxyError                      -> its ``status``; body ``{"error": {"message", 
 ├── BadRequest           400    malformed JSON, wrong field types
 ├── Unauthorized         401    missing or wrong key
 ├── Forbidden            403    admin API disabled or key wrong
+│   └── NodeAdminRefused 403    a vLLM node-admin route (sleep, adapters, cache resets), never load-balanced
 ├── NotFound             404    unknown route
 │   └── ModelNotFound    404    unknown model (the message lists the known ones)
 ├── MethodNotAllowed     405
@@ -45,9 +46,23 @@ class ProxyError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def render(exc: ProxyError, request_id: str | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Status, headers and JSON body of the answer for ``exc``; the same shape on every route."""
-    body = orjson.dumps(exc.body())
+ANTHROPIC_ROUTE = "/v1/messages"
+"""vLLM serves Anthropic's Messages API here; the proxy's own errors on it use Anthropic's envelope."""
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+
+
+def anthropic_body(exc: ProxyError) -> dict[str, Any]:
+    """``exc`` in Anthropic's error envelope, which Anthropic's SDKs read."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+
+
+def render(
+    exc: ProxyError, request_id: str | None = None, *, anthropic: bool = False
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Status, headers and JSON body of the answer for ``exc``: OpenAI's shape, or Anthropic's on its route."""
+    body = orjson.dumps(anthropic_body(exc) if anthropic else exc.body())
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if request_id is not None:
         headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
@@ -57,8 +72,11 @@ def render(exc: ProxyError, request_id: str | None = None) -> tuple[int, list[tu
     return exc.status, headers, body
 
 
-def sse_error_event(exc: ProxyError) -> bytes:
-    """How a stream that already started ends when it fails: the error as an event, then ``[DONE]``."""
+def sse_error_event(exc: ProxyError, *, anthropic: bool = False) -> bytes:
+    """How a stream that already started ends when it fails: the error as an event, then ``[DONE]`` (Anthropic's
+    streams end with an ``error`` event instead)."""
+    if anthropic:
+        return b"event: error\ndata: " + orjson.dumps(anthropic_body(exc)) + b"\n\n"
     return b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
 
 
@@ -78,6 +96,10 @@ class Forbidden(ProxyError):
     status = 403
     type = "permission_error"
     code = "forbidden"
+
+
+class NodeAdminRefused(Forbidden):
+    code = "node_admin_route"
 
 
 class NotFound(ProxyError):

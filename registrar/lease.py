@@ -19,9 +19,12 @@ import asyncio
 import logging
 import random
 
+from google.protobuf import json_format
+
 from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, EventType, LeaseLost
 from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
-from vllm_etcd_proxy.fleet.records import Status, encode_record
+from vllm_etcd_proxy.fleet.records import Status, encode_record, set_cards
+from vllm_etcd_proxy.fleet.vllm import ModelCard, plain_numbers
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +105,16 @@ class Registration:
         self._withdrawn = withdrawn
         self._wanted()
 
-    def set_models(self, models: tuple[str, ...]) -> None:
+    def set_models(self, models: tuple[str, ...], cards: tuple[ModelCard, ...] = ()) -> None:
         del self._record.models[:]
         self._record.models.extend(models)
+        set_cards(self._record, cards)
         self._wanted()
+
+    def cards_changed(self, cards: tuple[ModelCard, ...]) -> bool:
+        """True when ``cards`` differ from the model cards in the record."""
+        written = tuple(plain_numbers(json_format.MessageToDict(c)) for c in self._record.model_cards)
+        return written != tuple(plain_numbers(dict(c)) for c in cards)
 
     async def wait_applied(self, timeout: float) -> bool:
         """Wait until etcd holds what is wanted now; False if that took longer than ``timeout`` s."""

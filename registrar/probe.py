@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
-from vllm_etcd_proxy.fleet.vllm import RUNNING, WAITING, parse_models, read_node_load
+from vllm_etcd_proxy.fleet.vllm import RUNNING, WAITING, ModelCard, parse_model_cards, read_node_load
 from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError
 
 LOAD_METRICS = (RUNNING, WAITING)
@@ -32,6 +32,8 @@ class NodeProbe:
     """HTTP client for one node; use as an async context manager."""
 
     def __init__(self, base_url: str, *, timeout: float) -> None:
+        self.cards: tuple[ModelCard, ...] = ()
+        """The entries of the last GET /v1/models, as the node gave them."""
         self._base_url = base_url
         # trust_env=False: the node sits next to us; an HTTP(S)_PROXY meant for the outside must not apply.
         self._http = stateless_client(base_url=base_url, timeout=timeout)
@@ -70,11 +72,13 @@ class NodeProbe:
         await self._get("/health")
 
     async def models(self) -> tuple[str, ...]:
-        """Served model ids (base models and loaded LoRA adapters) from GET /v1/models."""
+        """Served model ids (base models and loaded LoRA adapters) from GET /v1/models; their entries as the node
+        gave them are kept in ``cards``."""
         try:
-            return parse_models(await self._get_json("/v1/models"))
+            self.cards = parse_model_cards(await self._get_json("/v1/models"))
         except ValueError as exc:
             raise ProbeError(str(exc)) from None
+        return tuple(card["id"] for card in self.cards)
 
     async def version(self) -> str:
         """The server's version from GET /version (vLLM has it), or "" when it does not tell."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_etcd_proxy.fleet.etcd import EtcdAuthError, EtcdClient, EtcdError
 from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
-from vllm_etcd_proxy.fleet.records import Status
+from vllm_etcd_proxy.fleet.records import Status, set_cards
 from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError, StartupError
 from vllm_etcd_proxy.registrar.lease import Registration
 from vllm_etcd_proxy.registrar.probe import NodeProbe
@@ -137,6 +137,7 @@ class Runner:
             url=s.url, role=s.role.value, models=models, status=Status.SERVING.value, labels=dict(s.labels),
             version=version, registered_at=_now_rfc3339(), source="registrar",
         )  # fmt: skip
+        set_cards(record, probe.cards)
         registration = Registration(client, key=s.key, ttl=s.ttl, record=record)
         registration.start()
         try:
@@ -208,9 +209,9 @@ class Runner:
         except ProbeError as exc:
             logger.debug("model list unavailable url=%s reason=%s", self._settings.url, exc)
             return models
-        if current != models:
+        if current != models or registration.cards_changed(probe.cards):
             logger.info("models changed url=%s models=%s", self._settings.url, ",".join(current))
-            registration.set_models(current)
+            registration.set_models(current, probe.cards)
         return current
 
     async def _drain(self, probe: NodeProbe, registration: Registration) -> None:

@@ -3,8 +3,10 @@
 A router must never send these to a node it picked by load balancing; the simulator serves them as vLLM does and
 records each call, so a test can prove which ones reached a node.
 
-- ``POST /sleep?level=1`` (200, empty): generation holds until woken (vLLM pauses its scheduler; requests that
-  arrive wait, none is lost), the KV cache is dropped; /health stays 200, /v1/models and /tokenize still answer.
+- ``POST /sleep?level=1&mode=abort`` (200, empty): generation holds until woken (vLLM pauses its scheduler:
+  "requests are still accepted but not processed"), the prefix cache is dropped; /health stays 200, /v1/models
+  and /tokenize still answer. Requests already running finish: the simulator does not abort them as vLLM's
+  default ``mode=abort`` does (``wait`` and ``keep`` are accepted and recorded alike).
 - ``POST /wake_up`` (200, empty), ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter`` ``{"lora_name"}``:
   200 with vLLM's plain-text success line, or its 400/404 errors.
@@ -19,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from vllm_etcd_proxy.sim.engine import Record
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
+from vllm_etcd_proxy.sim.record import Record
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record, raw_body
 
 
@@ -38,10 +40,11 @@ def _ok(request: Request, record: Record) -> Response:
 
 async def sleep(request: Request) -> Response:
     record = await _admin(request)
-    level = request.query_params.get("level", "1")
-    if level not in ("1", "2"):
+    level, mode = request.query_params.get("level", "1"), request.query_params.get("mode", "abort")
+    record.detail = {"level": level, "mode": mode}
+    if level not in ("1", "2") or mode not in ("abort", "wait", "keep"):
         engine_of(request).reject(record, 400)
-        raise bad_request(f"Invalid sleep level {level}: expected 1 or 2", "level")
+        raise bad_request(f"Invalid sleep level {level} or mode {mode}: expected 1 or 2, abort, wait or keep", "level")
     engine_of(request).sleep(int(level))
     return _ok(request, record)
 

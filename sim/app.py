@@ -20,12 +20,25 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Scope
 
-from vllm_etcd_proxy.sim import admin, audio, disagg, protocol, realtime, responses, tokens
-from vllm_etcd_proxy.sim.engine import Engine, Job
+from vllm_etcd_proxy.sim import (
+    admin,
+    anthropic,
+    audio,
+    disagg,
+    pooling,
+    protocol,
+    realtime,
+    responses,
+    responses_ws,
+    tokens,
+    tokens_api,
+)
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.metrics import make_registry
 from vllm_etcd_proxy.sim.middleware import ApiKey, ClientGone, NodeHeader, Scaling, until_disconnect
 from vllm_etcd_proxy.sim.protocol import GenRequest, Kind
+from vllm_etcd_proxy.sim.record import Job
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record, raw_body
 from vllm_etcd_proxy.sim.settings import SimSettings
 from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
@@ -58,7 +71,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     )  # fmt: skip
     job = Job(
         record=record, prompt=req.prompt_ids, tokens=answer.tokens, finish_reason=answer.finish_reason,
-        kv_loaded=leg.pulled_from is not None,
+        kv_loaded=leg.pulled_from is not None, cache_salt=record.cache_salt,
     )  # fmt: skip
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
@@ -132,6 +145,12 @@ async def health(request: Request) -> Response:
     starting = time.monotonic() - engine.started_at < settings.startup_delay
     flipped = settings.unhealthy_file is not None and settings.unhealthy_file.exists()
     return Response(status_code=503 if starting or flipped else 200)
+
+
+async def load(request: Request) -> Response:
+    """vLLM's GET /load (--enable-server-load-tracking): requests in flight."""
+    engine = engine_of(request)
+    return JSONResponse({"server_load": engine.running + engine.waiting})
 
 
 async def models(request: Request) -> Response:
@@ -235,6 +254,8 @@ def create_app(settings: SimSettings) -> Starlette:
         middleware.append(Middleware(ApiKey, key=settings.api_key))
     routes = [
         Route("/health", health),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/load", load),
         Route("/metrics", metrics),
         Route("/version", version),
         Route("/v1/models", models),
@@ -247,6 +268,10 @@ def create_app(settings: SimSettings) -> Starlette:
         *responses.ROUTES,
         *audio.ROUTES,
         *realtime.ROUTES,
+        *responses_ws.ROUTES,
+        *pooling.ROUTES,
+        *tokens_api.ROUTES,
+        *anthropic.ROUTES,
         *admin.ROUTES,
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]

@@ -30,9 +30,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from vllm_etcd_proxy.sim import protocol, tokens
-from vllm_etcd_proxy.sim.engine import Engine, Job, Record
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
+from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.recording import engine_of, media_type, new_record, raw_body
 from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
 from vllm_etcd_proxy.sim.wire import DONE_EVENT

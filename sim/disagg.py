@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_etcd_proxy.sim.engine import Engine, Record
+from vllm_etcd_proxy.sim.engine import Engine
+from vllm_etcd_proxy.sim.record import Record
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 from vllm_etcd_proxy.sim.wire import Wire
 

@@ -16,13 +16,13 @@ import random
 import time
 from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm_etcd_proxy.sim.errors import ApiError
 from vllm_etcd_proxy.sim.knobs import Knobs
 from vllm_etcd_proxy.sim.latency import Latencies
 from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
+from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.settings import SimSettings
 
 logger = logging.getLogger(__name__)
@@ -74,80 +74,6 @@ class Slots:
                 waiter.set_result(None)
 
 
-@dataclass(kw_only=True)
-class Record:
-    """One request as the node saw it; served as JSON by GET /sim/requests. Never holds the prompt."""
-
-    id: str
-    """The response id (cmpl-/chatcmpl-...), empty for requests refused before parsing."""
-    request_id: str | None
-    """The X-Request-Id header as received."""
-    path: str
-    authorization: str | None
-    """The Authorization header as received (tests check what the proxy forwarded)."""
-    cookie: str | None = None
-    """The Cookie header as received (tests check that one client's cookies never reach another's request)."""
-    body_sha256: str | None = None
-    """SHA-256 of the request body as received (tests check what the proxy forwarded, byte for byte)."""
-    received_at: float = field(default_factory=time.time)
-    model: str | None = None
-    stream: bool = False
-    state: str = "received"
-    """received -> [hung ->] [sleeping ->] waiting -> running [-> hung (hang_after_tokens) ...] -> done | cancelled
-    | failed; or rejected (an error answer); a WebSocket session is open -> closed."""
-    status: int | None = None
-    cancelled: bool = False
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    """Prompt tokens found in the prefix cache when the request was scheduled."""
-    completion_tokens: int = 0
-    max_tokens: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    """kv_transfer_params exactly as received."""
-    prefill: dict[str, Any] | None = None
-    """On a decode leg: the remote_engine_id, remote_host and remote_port the KV was pulled from."""
-    method: str = "POST"
-    """The HTTP method, or ``WEBSOCKET`` for a WebSocket session."""
-    query: str = ""
-    """The query string as received (without the ``?``)."""
-    content_type: str | None = None
-    body_length: int | None = None
-    """Bytes of the request body as received (with body_sha256: what the proxy forwarded, byte for byte)."""
-    body_request_id: str | None = None
-    """The body's ``request_id`` field (vLLM names a Responses API response by it)."""
-    session_id: str | None = None
-    """The body's ``session_id`` field."""
-    cache_salt: str | None = None
-    """The body's ``cache_salt`` field."""
-    priority: int | None = None
-    """The body's ``priority`` field."""
-    data_parallel_rank: str | None = None
-    """The ``X-data-parallel-rank`` header as received."""
-    traceparent: str | None = None
-    """The ``traceparent`` header as received."""
-    upload_sha256: str | None = None
-    """SHA-256 of the uploaded ``file`` of a multipart audio request, as the node parsed it."""
-    upload_size: int | None = None
-    upload_filename: str | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
-    """Route-specific facts: form fields of an audio request, events and close of a WebSocket session, ..."""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Job:
-    """A validated generation: its prompt, the tokens it will produce, how the first is timed, how it finishes."""
-
-    record: Record
-    prompt: tuple[int, ...]
-    tokens: tuple[int, ...]
-    finish_reason: str
-    kv_loaded: bool
-    """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
-
-
 class Engine:
     """State of one simulated node. Built by the app factory; everything else reads it."""
 
@@ -176,6 +102,8 @@ class Engine:
         """0 awake; 1 or 2 after POST /sleep: generation waits for POST /wake_up."""
         self._awake = asyncio.Event()
         self._awake.set()
+        self.asleep = 0
+        """Requests held by sleep mode (a paused scheduler keeps them waiting)."""
         self.apply_knobs({})
 
     def apply_knobs(self, changes: dict[str, Any]) -> None:
@@ -215,7 +143,11 @@ class Engine:
         """Hold ``record``'s request while the node sleeps."""
         if not self._awake.is_set():
             record.state = "sleeping"
-            await self._awake.wait()
+            self.asleep += 1
+            try:
+                await self._awake.wait()
+            finally:
+                self.asleep -= 1
 
     def receive(self, record: Record) -> None:
         self.records.append(record)
@@ -260,7 +192,7 @@ class Engine:
                 await on_accept()
             record.state = "waiting"
             await self.slots.acquire()
-            lease = self.cache.admit(job.prompt)
+            lease = self.cache.admit(job.prompt, job.cache_salt)
             try:
                 record.state, record.cached_tokens = "running", lease.hit_tokens
                 self.counters["prefix_cache_queries"] = self.cache.queries
@@ -311,6 +243,11 @@ class Engine:
         record.state = "running"
 
     @property
+    def waiting(self) -> int:
+        """Requests queued for a slot, plus those held by sleep mode."""
+        return self.slots.waiting + self.asleep
+
+    @property
     def running(self) -> int:
         """Requests holding a slot, plus hung ones (a wedged engine reports them as running)."""
         return self.slots.running + self.hung
@@ -331,7 +268,7 @@ class Engine:
             "role": str(self.settings.role),
             "engine_id": self.settings.engine_id,
             "running": self.running,
-            "waiting": self.slots.waiting,
+            "waiting": self.waiting,
             "counters": dict(self.counters),
             "kv_cache": self.cache.stats(),
             "requests": [r.to_json() for r in self.records],

@@ -44,10 +44,16 @@ class EngineCollector(Collector):
 
         slots = engine.slots
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", engine.running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", slots.waiting)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", engine.waiting)
         # With the prefix cache off the node has no block accounting: usage falls back to busy sequence slots.
         usage = engine.cache.usage if engine.cache.enabled else slots.running / slots.limit
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
+        # As vLLM: one sample per state, 1 for the state the engine is in (sleep level 1 offloads the weights,
+        # level 2 discards them).
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state", labels=[*LABELS, "sleep_state"])
+        for level, state in enumerate(("awake", "weights_offloaded", "discard_all")):
+            sleep.add_metric([*labels, state], float(engine.sleep_level == level))
+        yield sleep
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",

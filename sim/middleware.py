@@ -35,14 +35,22 @@ class NodeHeader:
 
 
 class ApiKey:
-    """vLLM's --api-key: every path under /v1 needs ``Authorization: Bearer KEY`` (OPTIONS excepted)."""
+    """vLLM's --api-key (AuthenticationMiddleware): every HTTP request and WebSocket under /v1, /v2, /inference or
+    /cohere needs ``Authorization: Bearer KEY`` (OPTIONS excepted); a WebSocket is refused with the same 401 at the
+    upgrade."""
+
+    GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 
     def __init__(self, app: ASGIApp, key: str):
         self.app = app
         self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or not scope["path"].startswith("/v1"):
+        if (
+            scope["type"] not in ("http", "websocket")
+            or scope.get("method") == "OPTIONS"
+            or not scope["path"].startswith(self.GUARDED)
+        ):
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")

@@ -14,6 +14,8 @@ kv_cache_manager.py), reduced to block hashes and counts: no KV data, no I/O.
 - ``usage`` is what vllm:kv_cache_usage_perc reports: blocks held by running requests over capacity (cached but
   unreferenced blocks count as free, as in BlockPool.get_usage).
 - ``capacity`` 0 disables caching: no lookups, no stats (like --no-enable-prefix-caching).
+- A request's ``cache_salt`` goes into its first block's hash, as in vLLM: requests with different salts never
+  share a cached block, whatever their tokens.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from hashlib import blake2b
 
 ROOT = b"vllm-sim-prefix-cache"
 """The first block's parent (vLLM's NONE_HASH, fixed here so that hashes are stable across nodes)."""
+
+
+def salted_root(salt: str | None) -> bytes:
+    """The first block's parent for requests with ``salt`` (ROOT without one)."""
+    return ROOT if salt is None else blake2b(ROOT + b"\0" + salt.encode(), digest_size=16).digest()
 
 
 def block_hashes(ids: Sequence[int], block_size: int, parent: bytes = ROOT) -> list[bytes]:
@@ -48,6 +55,8 @@ class Lease:
     """Prompt tokens found in the cache at lookup."""
     tokens: int
     """Context length so far (prompt + generated); the engine counts generated tokens here."""
+    root: bytes = ROOT
+    """The first block's parent: ROOT, or the request's cache_salt mixed in."""
 
 
 @dataclass(kw_only=True)
@@ -69,11 +78,12 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def admit(self, prompt: Sequence[int]) -> Lease:
+    def admit(self, prompt: Sequence[int], salt: str | None = None) -> Lease:
         """Look ``prompt`` up, count the stats and pin its blocks (the request is being scheduled)."""
         if not self.enabled:
             return Lease(prompt=prompt, hashes=[], hit_tokens=0, tokens=len(prompt))
-        hashes = block_hashes(prompt, self.block_size)
+        root = salted_root(salt)
+        hashes = block_hashes(prompt, self.block_size, root)
         hit = 0
         for block in hashes[: max(0, len(prompt) - 1) // self.block_size]:
             if block not in self._pinned and block not in self._free:
@@ -83,7 +93,7 @@ class PrefixCache:
         self.hits += hit * self.block_size
         for block in hashes:
             self._pin(block)
-        lease = Lease(prompt=prompt, hashes=hashes, hit_tokens=hit * self.block_size, tokens=len(prompt))
+        lease = Lease(prompt=prompt, hashes=hashes, hit_tokens=hit * self.block_size, tokens=len(prompt), root=root)
         self._leases.add(lease)
         self._evict()
         return lease
@@ -98,7 +108,7 @@ class PrefixCache:
         done = len(blocks) * self.block_size
         if computed // self.block_size > len(blocks):
             tail = [*lease.prompt[done:], *generated][: computed - done]
-            blocks += block_hashes(tail, self.block_size, blocks[-1] if blocks else ROOT)
+            blocks += block_hashes(tail, self.block_size, blocks[-1] if blocks else lease.root)
             for block in blocks[len(lease.hashes) :]:
                 self._pin(block)
         for block in reversed(blocks):

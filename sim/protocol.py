@@ -164,6 +164,9 @@ def parse(kind: Kind, body: Any) -> GenRequest:
     kv = body.get("kv_transfer_params")
     if kv is not None and not isinstance(kv, dict):
         raise bad_request("`kv_transfer_params` must be an object.", "kv_transfer_params")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
     request_id = body.get("request_id")
     return GenRequest(
         kind=kind,

@@ -30,8 +30,9 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from vllm_etcd_proxy.sim import tokens
-from vllm_etcd_proxy.sim.engine import Engine, Job, Record
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError
+from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.recording import engine_of, new_record
 
 

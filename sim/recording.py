@@ -13,8 +13,9 @@ from typing import Any
 
 from starlette.requests import HTTPConnection, Request
 
-from vllm_etcd_proxy.sim.engine import Engine, Record
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import bad_request
+from vllm_etcd_proxy.sim.record import Record
 
 
 def engine_of(connection: HTTPConnection) -> Engine:

@@ -32,9 +32,10 @@ from starlette.routing import Route
 
 from vllm_etcd_proxy.sim import protocol, tokens
 from vllm_etcd_proxy.sim import responses_wire as wire
-from vllm_etcd_proxy.sim.engine import Engine, Job, Record
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
+from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record
 from vllm_etcd_proxy.sim.response_store import Event, Stored
 from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
@@ -46,8 +47,8 @@ def _store(request: Request) -> dict[str, Stored]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class _Run:
-    """A validated turn, ready to generate."""
+class Run:
+    """A validated turn, ready to generate (POST /v1/responses, or a response.create on the WebSocket)."""
 
     turn: wire.Turn
     job: Job
@@ -61,7 +62,7 @@ class _Run:
                                     max_tokens=self.max_tokens, output=output, use=use)  # fmt: skip
 
 
-def _prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any) -> _Run:
+def prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any) -> Run:
     settings = engine.settings
     turn = wire.parse_turn(body)
     record.id, record.model, record.stream = turn.id, turn.model, turn.stream
@@ -85,12 +86,12 @@ def _prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any
         raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
     answer = tokens.complete(prompt, max_tokens=max_tokens, output_len=engine.knobs.output_len)
     job = Job(record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False)  # fmt: skip
-    return _Run(turn=turn, job=job, messages=messages, model=engine.model_name(turn.model), max_tokens=max_tokens)
+              kv_loaded=False, cache_salt=record.cache_salt)  # fmt: skip
+    return Run(turn=turn, job=job, messages=messages, model=engine.model_name(turn.model), max_tokens=max_tokens)
 
 
-async def _events(
-    engine: Engine, run: _Run, on_accept: Callable[[], Awaitable[None]] | None = None
+async def run_events(
+    engine: Engine, run: Run, on_accept: Callable[[], Awaitable[None]] | None = None
 ) -> AsyncGenerator[Event, None]:
     """The response's events, generating as they go; the last is response.completed or an error."""
     events, record = wire.Events(), run.job.record
@@ -120,7 +121,7 @@ async def _events(
     yield events.make("response.completed", response=run.response(status, output, use))
 
 
-def _final(stored: Stored, event: Event) -> None:
+def take_final(stored: Stored, event: Event) -> None:
     """Take a response's last event into its stored object (a cancelled one stays cancelled)."""
     if stored.response["status"] == "cancelled":
         return
@@ -133,7 +134,7 @@ def _final(stored: Stored, event: Event) -> None:
 async def create(request: Request) -> Response:
     engine, record, store = engine_of(request), new_record(request), _store(request)
     try:
-        run = _prepare(engine, store, record, await json_body(request, record))
+        run = prepare(engine, store, record, await json_body(request, record))
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
@@ -144,10 +145,10 @@ async def create(request: Request) -> Response:
 
     async def events(start: Callable[[], Awaitable[None]]) -> AsyncGenerator[str, None]:
         await start()  # vLLM sends response.created before the engine has the request
-        async for event in _events(engine, run):
+        async for event in run_events(engine, run):
             stored.add(event)
             if event["type"] in ("response.completed", "error"):
-                _final(stored, event)
+                take_final(stored, event)
                 stored.finish()
                 if turn.store:
                     store[turn.id] = stored
@@ -157,13 +158,13 @@ async def create(request: Request) -> Response:
         return SSEResponse(events, engine, record, {})
 
     async def collect() -> Response:
-        async with aclosing(_events(engine, run)) as stream:
+        async with aclosing(run_events(engine, run)) as stream:
             async for event in stream:
                 stored.add(event)
         last = stored.events[-1]
         if last["type"] == "error":
             return JSONResponse(ApiError(int(last["code"]), last["message"]).body(), status_code=int(last["code"]))
-        _final(stored, last)
+        take_final(stored, last)
         stored.finish()
         if turn.store:
             store[turn.id] = stored
@@ -178,7 +179,7 @@ async def create(request: Request) -> Response:
     return response
 
 
-def _background(engine: Engine, store: dict[str, Stored], run: _Run) -> Response:
+def _background(engine: Engine, store: dict[str, Stored], run: Run) -> Response:
     """Store the response as queued and generate it in a task of its own; the client may leave at once."""
     turn, record = run.turn, run.job.record
     stored = store[turn.id] = Stored(response=run.response("queued", [], None), messages=run.messages)
@@ -189,10 +190,10 @@ def _background(engine: Engine, store: dict[str, Stored], run: _Run) -> Response
 
     async def generate() -> None:
         try:
-            async with aclosing(_events(engine, run, accepted)) as stream:
+            async with aclosing(run_events(engine, run, accepted)) as stream:
                 async for event in stream:
                     stored.add(event)
-                    _final(stored, event)
+                    take_final(stored, event)
         finally:
             stored.finish()
             engine.log(record)

@@ -74,7 +74,7 @@ def parse_turn(body: Any) -> Turn:
         raise bad_request("The request body must be a JSON object.")
     if "input" not in body:
         raise bad_request("Field required: `input`.", "input")
-    store = body.get("store", True) is not False
+    store = bool(body.get("store", True))  # null stores nothing, as vLLM's `if request.store`
     background = bool(body.get("background"))
     if background and not store:
         raise bad_request("background can only be used when `store` is true", "background")

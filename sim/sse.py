@@ -9,8 +9,9 @@ from contextlib import aclosing
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from vllm_etcd_proxy.sim.engine import Engine, Record
+from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
+from vllm_etcd_proxy.sim.record import Record
 
 CLIENT_CLOSED = 499
 """Recorded status of a request whose client left first (nginx's convention; nothing is sent)."""

@@ -1,13 +1,14 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeRecord(_message.Message):
-    __slots__ = ("url", "role", "models", "status", "labels", "version", "registered_at", "kv_connector", "source")
+    __slots__ = ("url", "role", "models", "status", "labels", "version", "registered_at", "kv_connector", "source", "model_cards")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +25,7 @@ class NodeRecord(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     KV_CONNECTOR_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CARDS_FIELD_NUMBER: _ClassVar[int]
     url: str
     role: str
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -33,4 +35,5 @@ class NodeRecord(_message.Message):
     registered_at: str
     kv_connector: str
     source: str
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., registered_at: _Optional[str] = ..., kv_connector: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    model_cards: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., registered_at: _Optional[str] = ..., kv_connector: _Optional[str] = ..., source: _Optional[str] = ..., model_cards: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ...) -> None: ...

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import deque
 
-from vllm_etcd_proxy.fleet.vllm import read_node_load, read_token_latency
+from vllm_etcd_proxy.fleet.vllm import read_asleep, read_node_load, read_token_latency
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest
@@ -101,7 +101,9 @@ class LoadWatcher:
                 return
             parsed = read_node_load(page)
             latency = read_token_latency(page)
+            asleep = read_asleep(page)
         now = time.monotonic()
+        self._pool.set_asleep(state, bool(asleep))
         self._pool.set_load(state, *(parsed or (0, 0, 0.0)), at=now)
         if latency is not None:
             tracker = self._latency.setdefault(state.entry_key, TokenLatency())

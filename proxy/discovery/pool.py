@@ -8,10 +8,12 @@ or ``{source}:{role}/{node_id}`` for in-memory nodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from vllm_etcd_proxy.fleet.records import Node, Role, Status
+from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, Upsert
 
 
@@ -25,6 +27,8 @@ class NodeState:
     """Models from the node's GET /v1/models, used when the record names none."""
     learned: bool = False
     """True once the node's GET /v1/models answered."""
+    learned_cards: Mapping[str, ModelCard] = field(default_factory=dict)
+    """The entries of that answer by model id, as the node gave them."""
     in_flight: int = 0
     """Requests this replica has open on the node right now."""
     node_waiting: int = 0
@@ -49,6 +53,10 @@ class NodeState:
     """monotonic() time of the next health probe while ejected."""
     probation: bool = False
     """Back from ejection but not yet proven: takes one request at a time until one succeeds."""
+    asleep: bool = False
+    """The node's /metrics says its engine sleeps (vLLM's sleep mode): no new requests until it wakes."""
+    busy_until: float = 0.0
+    """monotonic() time until which the node gets no new requests: it answered 503 (scaling, overloaded)."""
 
     @property
     def entry_key(self) -> str:
@@ -63,13 +71,20 @@ class NodeState:
         return self.node.models or self.learned_models
 
     @property
+    def cards(self) -> Mapping[str, ModelCard]:
+        """The node's own model list entries, from its record or from asking it."""
+        return self.node.cards or self.learned_cards
+
+    @property
     def routable(self) -> bool:
         return self.node.status is Status.SERVING and self.models_known and not self.ejected
 
     @property
     def admits(self) -> bool:
-        """Takes a request now: not ejected, and on probation only while it has none in flight."""
-        return not self.ejected and not (self.probation and self.in_flight)
+        """Takes a request now: not ejected, awake, not busy, and on probation only while it has none in flight."""
+        if self.ejected or self.asleep or (self.probation and self.in_flight):
+            return False
+        return not self.busy_until or time.monotonic() >= self.busy_until
 
 
 def entry_key(node: Node) -> str:
@@ -133,8 +148,9 @@ class Pool:
             return
         self._entries[key] = NodeState(node=node)
 
-    def set_learned_models(self, state: NodeState, models: Iterable[str]) -> None:
+    def set_learned_models(self, state: NodeState, models: Iterable[str], cards: Iterable[ModelCard] = ()) -> None:
         """Record what GET /v1/models answered for a node whose record names no models."""
+        state.learned_cards = {card["id"]: card for card in cards}
         learned = tuple(dict.fromkeys(models))
         if state.learned_models != learned or not state.learned:
             state.learned_models = learned
@@ -155,6 +171,14 @@ class Pool:
         """The node's own figures from its /metrics (every replica's requests, not only ours), scraped at ``at``."""
         state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
         state.load_at = at
+
+    def set_asleep(self, state: NodeState, asleep: bool) -> None:
+        """What the node's /metrics says of its sleep mode (read live by ``admits``: no index to rebuild)."""
+        state.asleep = asleep
+
+    def hold_busy(self, state: NodeState, seconds: float) -> None:
+        """The node answered 503: give it no new requests for ``seconds``."""
+        state.busy_until = time.monotonic() + seconds
 
     def set_token_latency(self, state: NodeState, seconds: float | None) -> None:
         """The node's recent mean time between output tokens (its speed; None until known)."""

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from vllm_etcd_proxy.fleet.vllm import parse_models
+from vllm_etcd_proxy.fleet.vllm import ModelCard, parse_model_cards
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
@@ -21,11 +21,13 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 
 
-async def fetch_models(client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> tuple[str, ...]:
-    """Model ids from ``{url}/v1/models``; raises httpx.HTTPError or ValueError on a bad answer."""
+async def fetch_models(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None
+) -> tuple[ModelCard, ...]:
+    """The entries of ``{url}/v1/models``; raises httpx.HTTPError or ValueError on a bad answer."""
     response = await client.get(f"{url}/v1/models", timeout=PROBE_TIMEOUT, headers=headers)
     response.raise_for_status()
-    return parse_models(response.json())
+    return parse_model_cards(response.json())
 
 
 class ModelProber:
@@ -59,7 +61,7 @@ class ModelProber:
     async def _probe(self, state: NodeState) -> None:
         _, backoff = self._due.get(id(state), (0.0, 0.0))
         try:
-            models = await fetch_models(self._client, state.node.url, self._headers)
+            cards = await fetch_models(self._client, state.node.url, self._headers)
         except (httpx.HTTPError, ValueError) as exc:
             backoff = min(self._refresh, max(0.25, backoff * 2))
             self._due[id(state)] = (time.monotonic() + backoff, backoff)
@@ -67,6 +69,7 @@ class ModelProber:
                 log.info("node not answering /v1/models yet node=%s error=%s", state.node.node_id, type(exc).__name__)
             return
         self._due[id(state)] = (time.monotonic() + self._refresh, 0.0)
+        models = tuple(card["id"] for card in cards)
         if not state.learned:
             log.info("learned models node=%s models=%s", state.node.node_id, ",".join(models))
-        self._pool.set_learned_models(state, models)
+        self._pool.set_learned_models(state, models, cards)

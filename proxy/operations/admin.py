@@ -128,7 +128,7 @@ class AdminRoutes:
         await check_allowed(req.instance, self._allowed)
         url = f"http://{req.instance}"
         try:
-            served = await fetch_models(self._client, url, self._backend_auth)
+            served = tuple(card["id"] for card in await fetch_models(self._client, url, self._backend_auth))
             up = True
         except (httpx.HTTPError, ValueError):
             served, up = (), False

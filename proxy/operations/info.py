@@ -27,6 +27,7 @@ def worker_view(state: NodeState) -> dict[str, Any]:
         "status": node.status.value,
         "healthy": not state.ejected,
         "ejected": state.ejected,
+        "asleep": state.asleep,
         "models_known": state.models_known,
         "in_flight": state.in_flight,
         "served": state.served,

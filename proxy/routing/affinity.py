@@ -14,7 +14,8 @@ turn's own text forms whole blocks even when it is short, and the unfinished blo
 
 Each replica learns which blocks are shared from the traffic it sees (a bounded table, no I/O); replicas behind
 one balancer see the same preambles, so they agree within a few requests of a new preamble. A session header
-or the body's ``user`` wins over all of this. Chat messages are read as role and content, in order; text
+(or vLLM's body field ``session_id``) or the body's ``user`` wins over all of this; a ``cache_salt`` is part of
+every key, since vLLM shares no cached prefix between salts. Chat messages are read as role and content, in order; text
 prompts as UTF-8; token-id prompts as their ids.
 """
 
@@ -167,11 +168,16 @@ def route_hints(
     named = None
     if session:
         named = f"session:{session}"
+    elif isinstance(body_session := body.get("session_id"), str) and body_session:
+        named = f"session:{body_session}"  # vLLM's own field: the same conversation as the header would name
     elif isinstance(user := body.get("user"), str) and user:
         named = f"user:{user}"
+    # vLLM never shares a prefix cache between different salts, so neither do keys.
+    salt = body.get("cache_salt")
+    salted = f"|salt:{salt}" if isinstance(salt, str) and salt else ""
     found = prompt_bytes(body) if index is not None and (named is None or count_uncached) else None
     if index is None or found is None:
-        return Hints(key=named, uncached_tokens=None)
+        return Hints(key=named + salted if named else None, uncached_tokens=None)
     prefix = index.read(found[0], newlines=found[1])
     uncached = (prefix.size - prefix.known) // (BYTES_PER_TOKEN if found[1] else 8)
-    return Hints(key=named or f"prefix:{prefix.key:x}", uncached_tokens=uncached)
+    return Hints(key=(named or f"prefix:{prefix.key:x}") + salted, uncached_tokens=uncached)

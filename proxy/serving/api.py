@@ -1,12 +1,15 @@
-"""The OpenAI-compatible routes, as raw ASGI: parse just enough of the body to route by model, then hand over.
+"""vLLM's API, as raw ASGI: parse just enough of the request to route it, then hand over.
 
-``POST /v1/*``, ``/tokenize`` and ``/detokenize`` are handled here with no framework objects per request;
-everything else (``GET /v1/models`` and the operator routes) goes on to the starlette app.
+Every path that is not the replica's own (``routes.py``) is forwarded, any method, with no framework objects per
+request; the replica's own routes (``GET /v1/models``, health, status, the admin API) go on to the starlette app,
+and WebSocket connections to ``websockets``.
 
-Completions and chat completions use the disaggregated flow when the model has prefill and decode nodes,
-else mixed nodes (then decode nodes on their own). Other routes go to a node serving the model (mixed, then
-decode). The body of a non-disaggregated request is forwarded byte for byte, so every vLLM feature keeps
-working.
+Completions and chat completions use the disaggregated flow when the model has prefill and decode nodes, else
+mixed nodes (then decode nodes on their own). ``POST /v1/responses`` goes where its ``previous_response_id`` is
+kept, and every by-id Responses route to the node holding that id (``responses.py``). Any other route goes to a
+node serving the request's model: from the JSON body, a multipart or urlencoded form field, the query string, or
+else the first model the fleet serves (vLLM's rule for a request that names none). Bodies are forwarded byte for
+byte (a new response's body gains only its ``request_id``), so every vLLM feature keeps working.
 """
 
 from __future__ import annotations
@@ -19,24 +22,29 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
-from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError
+from vllm_etcd_proxy.proxy.errors import ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
 from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
+from vllm_etcd_proxy.proxy.serving.forms import media_type, multipart_field, urlencoded_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit
-from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, check_fields, parse_object, read_body, read_headers
+from vllm_etcd_proxy.proxy.serving.parsing import (
+    BodyLimits,
+    ClientRequest,
+    check_fields,
+    model_field,
+    parse_object,
+    read_body,
+    read_headers,
+)
 from vllm_etcd_proxy.proxy.serving.relay import Exchange, Relay, ResumePlan, send_error
+from vllm_etcd_proxy.proxy.serving.responses import ResponseIds, previous_response_id
 from vllm_etcd_proxy.proxy.serving.resume import not_resumable
-from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
+from vllm_etcd_proxy.proxy.serving.routes import Kind, classify, metric_route, response_id_of
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 
-KNOWN_ROUTES = frozenset(
-    ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/responses",
-     "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/pooling", "/v1/classify", "/tokenize", "/detokenize"]
-)  # fmt: skip
-"""Routes named as such in metrics; any other forwarded path counts as /v1/other."""
-GENERATE_ROUTES = frozenset(["/v1/completions", "/v1/chat/completions"])
+FORWARDED_METHODS = frozenset(["GET", "POST", "PUT", "PATCH", "DELETE"])
 _MIXED_ROLES = (Role.MIXED, Role.DECODE)
 _NO_HINTS = Hints(key=None, uncached_tokens=None)
 
@@ -54,9 +62,11 @@ class OpenAIRoutes:
         fallback: ASGIApp,
         *,
         keys: ClientKeys,
-        websockets: WebSocketProxy,
         affinity: bool = False,
+        websockets: ASGIApp | None = None,
     ) -> None:
+        self._websockets = websockets
+        self._ids = ResponseIds(pool)
         self._affinity = affinity
         self._pd_min_prompt_tokens = settings.pd_min_prompt_tokens
         self._read_prompts = affinity or settings.pd_min_prompt_tokens > 0
@@ -70,7 +80,6 @@ class OpenAIRoutes:
         self._metrics = metrics
         self._relay = Relay(metrics)
         self._fallback = fallback
-        self._websockets = websockets
         self._limits = BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
         self._session_header = settings.affinity_header.encode("latin-1")
         key = settings.backend_api_key
@@ -79,12 +88,13 @@ class OpenAIRoutes:
         self._max_resumes = settings.max_resumes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http":
             path: str = scope["path"]
-            if path.startswith("/v1/") or path == "/tokenize" or path == "/detokenize":
-                await self._handle(scope, receive, send, path)
+            kind = classify(path)
+            if kind is not Kind.OWN and scope["method"] in FORWARDED_METHODS:
+                await self._handle(scope, receive, send, path, kind)
                 return
-        elif scope["type"] == "websocket":
+        elif scope["type"] == "websocket" and self._websockets is not None:
             await self._websockets(scope, receive, send)
             return
         await self._fallback(scope, receive, send)
@@ -98,38 +108,47 @@ class OpenAIRoutes:
         known = ", ".join(self._pool.models()) or "none"
         raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
-        """Parse, pick the flow (disaggregated, else one leg to mixed then decode nodes) and hand over."""
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind) -> None:
+        """Parse, pick the flow and hand over to the relay."""
         started = time.monotonic()
-        route = path if path in KNOWN_ROUTES else "/v1/other"  # bounded metric labels
+        route = metric_route(path, kind)
         client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
         mode = "none"
         plan: ResumePlan | None = None
         try:
             self._keys.check(client.authorization)
+            if kind is Kind.NODE_ADMIN:
+                raise NodeAdminRefused(
+                    f"{path} is a vLLM node-admin route: it acts on one node's engine, so the proxy never sends it "
+                    "to a node picked by load balancing; send it to that node directly"
+                )
             raw = await read_body(receive, client.content_length, self._limits)
-            body = parse_object(raw)
-            model = check_fields(body, path)
             query = scope.get("query_string", b"")
             target = scope["raw_path"] if scope.get("raw_path") else path.encode()
             if query:
                 target += b"?" + query
-            hints = (route_hints(self._prefixes, body, client.session, count_uncached=self._pd_min_prompt_tokens > 0)
-                     if self._read_prompts else _NO_HINTS)  # fmt: skip
-            request = _Request(path=path, target=target, model=model, head=header_lines(client.forwarded),
-                               affinity=hints.key if self._affinity else None,
-                               uncached_tokens=hints.uncached_tokens)  # fmt: skip
-            mode, exchange = self._exchange(request, raw, body)
-            if self._max_resumes and not_resumable(path, body) is None:
-
-                async def reopen(continuation: dict[str, Any], avoid: tuple[NodeState, ...]) -> Upstream | ErrorAnswer:
-                    _, again = self._exchange(request, orjson.dumps(continuation), continuation, avoid)
-                    return await again()
-
-                plan = ResumePlan(path=path, body=body, reopen=reopen, max_resumes=self._max_resumes)
+            head = header_lines(client.forwarded)
+            method = scope["method"].encode()
+            if kind is Kind.BY_RESPONSE_ID:
+                mode, exchange = "pinned", self._by_response_id(path, target, head, raw, method)
+            else:
+                body, model = self._read_model(client, raw, query, kind, path)
+                hints = (route_hints(self._prefixes, body, client.session,
+                                     count_uncached=self._pd_min_prompt_tokens > 0)
+                         if self._read_prompts and body is not None else _NO_HINTS)  # fmt: skip
+                request = _Request(path=path, target=target, model=model, head=head, method=method,
+                                   affinity=hints.key if self._affinity else None,
+                                   uncached_tokens=hints.uncached_tokens)  # fmt: skip
+                if kind is Kind.RESPONSES and body is not None:
+                    mode, exchange = self._new_response(request, raw, body)
+                else:
+                    mode, exchange = self._exchange(request, raw, body if kind is Kind.GENERATE else None)
+                if self._max_resumes and kind is Kind.GENERATE and body is not None and \
+                        not_resumable(path, body) is None:  # fmt: skip
+                    plan = self._resume_plan(request, body)
             self._limit.acquire()
         except ProxyError as exc:
-            await send_error(send, exc, client.request_id)
+            await send_error(send, exc, client.request_id, route=route)
             self._metrics.request_done(route, mode, exc.status, started)
             return
         status = 499
@@ -140,12 +159,67 @@ class OpenAIRoutes:
             self._limit.release()
             self._metrics.request_done(route, mode, status, started)
 
-    def _exchange(self, request: _Request, raw: bytes, body: dict[str, Any],
+    def _read_model(self, client: ClientRequest, raw: bytes, query: bytes, kind: Kind,
+                    path: str) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
+        """The parsed JSON body (None for another kind of body) and the model the request is for."""
+        body: dict[str, Any] | None = None
+        model: str | None = None
+        media = media_type(client.content_type)
+        if media == b"multipart/form-data":
+            model = multipart_field(raw, client.content_type or b"", "model")
+        elif media == b"application/x-www-form-urlencoded":
+            model = urlencoded_field(raw, "model")
+        elif kind is not Kind.FORWARD or media == b"application/json" or raw.lstrip().startswith(b"{"):
+            body = parse_object(raw)
+            model = check_fields(body, path) if kind is Kind.GENERATE else model_field(body)
+        if model is None and query:
+            model = urlencoded_field(query, "model")
+        if model is None:
+            served = self._pool.models()
+            if not served:
+                raise NoNodeAvailable("no node is available for any model right now; retry shortly")
+            model = served[0]
+        return body, model
+
+    def _resume_plan(self, request: _Request, body: dict[str, Any]) -> ResumePlan:
+        async def reopen(continuation: dict[str, Any], avoid: tuple[NodeState, ...]) -> Upstream | ErrorAnswer:
+            _, again = self._exchange(request, orjson.dumps(continuation), continuation, avoid)
+            return await again()
+
+        return ResumePlan(path=request.path, body=body, reopen=reopen, max_resumes=self._max_resumes)
+
+    def _by_response_id(self, path: str, target: bytes, head: bytes, raw: bytes, method: bytes) -> Exchange:
+        holder = self._ids.holder(response_id_of(path))
+        leg = Leg(roles=(holder.node.role,), model="", path=target, head=head, body=raw,
+                  timeout=self._first_byte_timeout, method=method, pinned=holder)  # fmt: skip
+        return self._open(leg)
+
+    def _new_response(self, request: _Request, raw: bytes, body: dict[str, Any]) -> tuple[str, Exchange]:
+        """A new response: where its previous response is kept, else by model; its id names its node."""
+        ids = self._ids
+        previous = previous_response_id(body)
+        holder = ids.holder(previous) if previous is not None and ids.is_ours(previous) else None
+        if holder is None:
+            self._check_routable(request.model, _MIXED_ROLES)
+        leg = Leg(roles=_MIXED_ROLES, model=request.model, path=request.target, head=request.head, body=raw,
+                  timeout=self._first_byte_timeout, affinity=request.affinity, pinned=holder,
+                  body_for=lambda state: ids.new_response_body(raw, body, state))  # fmt: skip
+        return ("pinned" if holder is not None else "mixed"), self._open(leg)
+
+    def _open(self, leg: Leg, avoid: tuple[NodeState, ...] = ()) -> Exchange:
+        forwarder = self._forwarder
+
+        async def one_leg() -> Upstream | ErrorAnswer:
+            return await forwarder.open(leg, avoid)
+
+        return one_leg
+
+    def _exchange(self, request: _Request, raw: bytes, body: dict[str, Any] | None,
                   avoid: tuple[NodeState, ...] = ()) -> tuple[str, Exchange]:  # fmt: skip
-        """The flow for this request and body: ("disagg" or "mixed", what runs it)."""
+        """The flow for this request: ("disagg", "decode" or "mixed", what runs it). ``body`` is given for the
+        generate routes only (the others never take the disaggregated flow)."""
         pool, model, head = self._pool, request.model, request.head
-        if request.path in GENERATE_ROUTES and pool.candidates(Role.PREFILL, model) and \
-                pool.candidates(Role.DECODE, model):  # fmt: skip
+        if body is not None and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
             uncached = request.uncached_tokens
             if uncached is not None and uncached < self._pd_min_prompt_tokens:
                 # So little of the prompt is new that a prefill leg costs more than it saves.
@@ -164,13 +238,8 @@ class OpenAIRoutes:
                  avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
         # Not disaggregated: the body goes to the node byte for byte.
         leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
-                  timeout=self._first_byte_timeout, affinity=request.affinity)  # fmt: skip
-        forwarder = self._forwarder
-
-        async def one_leg() -> Upstream | ErrorAnswer:
-            return await forwarder.open(leg, avoid)
-
-        return one_leg
+                  timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method)  # fmt: skip
+        return self._open(leg, avoid)
 
 
 class _Request(NamedTuple):
@@ -181,5 +250,6 @@ class _Request(NamedTuple):
     """Path and query for the nodes."""
     model: str
     head: bytes
+    method: bytes
     affinity: str | None
     uncached_tokens: int | None

@@ -21,6 +21,7 @@ import orjson
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
+from vllm_etcd_proxy.proxy.serving.bodies import with_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
 from vllm_etcd_proxy.proxy.settings import TimeoutSettings
 
@@ -52,19 +53,11 @@ def prefill_body(body: Mapping[str, Any]) -> bytes:
 
 def decode_body(raw: bytes, body: Mapping[str, Any], kv_transfer_params: Any) -> bytes:
     """The decode leg's body: the client's, plus what the prefill node answered, verbatim."""
-    if "kv_transfer_params" not in body:
-        if kv_transfer_params is None:
-            return raw
-        end = raw.rstrip()
-        if end.endswith(b"}"):
-            # The client's bytes up to its closing brace, then the one new field: nothing else is re-encoded.
-            return b'%s,"kv_transfer_params":%s}' % (end[:-1], orjson.dumps(kv_transfer_params))
-    leg = dict(body)
     if kv_transfer_params is None:
-        leg.pop("kv_transfer_params", None)
-    else:
-        leg["kv_transfer_params"] = kv_transfer_params
-    return orjson.dumps(leg)
+        if "kv_transfer_params" not in body:
+            return raw
+        return orjson.dumps({k: v for k, v in body.items() if k != "kv_transfer_params"})
+    return with_field(raw, body, "kv_transfer_params", kv_transfer_params)
 
 
 class Disaggregator:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -34,6 +34,9 @@ NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"
 """Client request headers the nodes never see (the transport sets Host and Content-Length itself)."""
 _NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
 _BUSY = (429, 503)
+BUSY_HOLD = 1.0
+"""Seconds a node that answered 503 (vLLM while scaling, or overloaded) gets no new requests: they go to
+other nodes, or wait for the retry the client is told to make."""
 _MAX_ERROR_BODY = 64 * 1024
 _ERROR_BODY_SECONDS = 10.0
 
@@ -64,6 +67,11 @@ class Leg(NamedTuple):
     """``time.monotonic()`` by which some attempt must have answered (the prefill leg's total timeout)."""
     affinity: str | None = None
     """Key the affinity policy routes by (session, user or prompt prefix); None for the others."""
+    method: bytes = b"POST"
+    pinned: NodeState | None = None
+    """The one node this leg may go to (it holds state the request refers to): no policy, no other node."""
+    body_for: Callable[[NodeState], bytes] | None = None
+    """The body for the node chosen, when it depends on the node (instead of ``body``)."""
 
 
 def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -154,8 +162,11 @@ class Forwarder:
         for attempt in range(self._attempts):
             if leg.deadline is not None and time.monotonic() >= leg.deadline:
                 break
-            role, candidates = self._candidates(leg)
-            state = self._policies[role].choose(candidates, tried, leg.affinity)
+            if leg.pinned is not None:
+                role, state = leg.pinned.node.role, (leg.pinned if not tried else None)
+            else:
+                role, candidates = self._candidates(leg)
+                state = self._policies[role].choose(candidates, tried, leg.affinity)
             if state is None:
                 break
             if attempt:
@@ -177,8 +188,9 @@ class Forwarder:
     async def _attempt(self, state: NodeState, role: Role, leg: Leg) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
         timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
-        request = UpstreamRequest(origin=Origin.of(node.url), path=leg.path, head=leg.head, body=leg.body,
-                                  timeout=timeout, idle_timeout=self._idle)  # fmt: skip
+        body = leg.body if leg.body_for is None else leg.body_for(state)
+        request = UpstreamRequest(origin=Origin.of(node.url), path=leg.path, head=leg.head, body=body,
+                                  timeout=timeout, idle_timeout=self._idle, method=leg.method)  # fmt: skip
         self._pool.request_started(state)
         try:
             response = await self._transport.send(request)
@@ -202,6 +214,8 @@ class Forwarder:
             finally:
                 response.close()
             busy = status in _BUSY
+            if status == 503:
+                self._pool.hold_busy(state, BUSY_HOLD)
             self.release(state, role, f"http_{status}", failed=not busy)
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, status)
             headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]

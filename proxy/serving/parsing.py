@@ -45,14 +45,18 @@ class ClientRequest(NamedTuple):
     content_length: int | None
     session: str | None
     """The affinity header's value, if the client sent one."""
+    content_type: bytes | None
 
 
 def read_headers(scope: Scope, *, session_header: bytes, backend_auth: bytes | None) -> ClientRequest:
     """The client's headers sorted into what is forwarded and what the proxy reads itself."""
     forwarded: list[tuple[bytes, bytes]] = []
-    request_id = authorization = length = session = None
+    request_id = authorization = length = session = content_type = None
     for name, value in scope["headers"]:
-        if name == b"x-request-id":
+        if name == b"content-type":
+            content_type = value
+            forwarded.append((name, value))
+        elif name == b"x-request-id":
             request_id = value
         elif name == b"content-length":
             length = value
@@ -74,7 +78,7 @@ def read_headers(scope: Scope, *, session_header: bytes, backend_auth: bytes | N
     return ClientRequest(
         forwarded=forwarded, request_id=rid, authorization=authorization,
         content_length=int(length) if length is not None and length.isdigit() else None,
-        session=session.decode("latin-1") if session else None,
+        session=session.decode("latin-1") if session else None, content_type=content_type,
     )  # fmt: skip
 
 
@@ -137,11 +141,19 @@ def _int_field(body: dict[str, Any], name: str) -> None:
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n")
 
 
-def check_fields(body: dict[str, Any], route: str) -> str:
-    """Validate the fields the proxy reads or rewrites; return the model name."""
+def model_field(body: dict[str, Any]) -> str | None:
+    """The body's ``model``: None when absent (vLLM then serves its first model), 400 when not a name."""
     model = body.get("model")
+    if model is None:
+        return None
     if not isinstance(model, str) or not model or len(model) > MAX_MODEL_NAME:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    return model
+
+
+def check_fields(body: dict[str, Any], route: str) -> str | None:
+    """Validate the fields the proxy reads or rewrites; return the model name (None when the body names none)."""
+    model = model_field(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")

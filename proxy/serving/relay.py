@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from starlette.types import Message, Receive, Send
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed, render, sse_error_event
+from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, UpstreamFailed, render, sse_error_event
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream, client_headers
 from vllm_etcd_proxy.proxy.serving.resume import (
@@ -69,8 +69,8 @@ class _DisconnectWatch:
         self._waiter.cancel()
 
 
-async def send_error(send: Send, exc: ProxyError, request_id: str | None) -> None:
-    status, headers, body = render(exc, request_id)
+async def send_error(send: Send, exc: ProxyError, request_id: str | None, *, route: str = "") -> None:
+    status, headers, body = render(exc, request_id, anthropic=route == ANTHROPIC_ROUTE)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -111,7 +111,7 @@ class Relay:
             answer = await exchange()
         except ProxyError as exc:
             watch.finished = True
-            await send_error(send, exc, request_id)
+            await send_error(send, exc, request_id, route=route)
             return exc.status
         if isinstance(answer, ErrorAnswer):
             headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
@@ -154,7 +154,8 @@ class Relay:
                 log.warning("stream broken request_id=%s error=%s", request_id, exc.message)
                 if _is_event_stream(response.headers):
                     watch.finished = True
-                    await send({"type": "http.response.body", "body": sse_error_event(exc), "more_body": False})
+                    event = sse_error_event(exc, anthropic=route == ANTHROPIC_ROUTE)
+                    await send({"type": "http.response.body", "body": event, "more_body": False})
                 # Otherwise leave the response unfinished: the server then drops the connection, so the client
                 # sees a truncated answer as an error instead of a complete-looking, cut-off JSON body.
                 return

@@ -47,8 +47,12 @@ def _parse_origin(url: str) -> Origin:
     return Origin(scheme=scheme, host=host, port=port, host_header=parts.netloc.encode("ascii"))
 
 
+_BODY_METHODS = frozenset([b"POST", b"PUT", b"PATCH"])
+"""Methods whose requests always carry a Content-Length (0 for an empty body); others only with a body."""
+
+
 class UpstreamRequest(NamedTuple):
-    """One request to a node: a POST of the data path, or a GET of the control plane (``method``, no body).
+    """One request to a node: any method; a body goes with a Content-Length.
     ``head`` holds the request's header lines (each ending in CRLF) other than Host and Content-Length, which the
     transport adds."""
 
@@ -113,8 +117,8 @@ class HttpTransport:
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         pool = self._pool(request.origin)
         origin = request.origin
-        if request.method == b"POST":
-            wire = b"".join((b"POST ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header,
+        if request.body or request.method in _BODY_METHODS:
+            wire = b"".join((request.method, b" ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header,
                              b"\r\ncontent-length: ", str(len(request.body)).encode(), b"\r\n", request.head,
                              b"\r\n", request.body))  # fmt: skip
         else:

@@ -69,6 +69,22 @@ def test_a_session_header_or_user_wins() -> None:
     assert route_hints(index, {**chat(1, 1), "user": "u1"}, None).key == "user:u1"
 
 
+def test_vllms_session_id_field_names_the_conversation_as_the_header_does() -> None:
+    index = PrefixIndex()
+    by_field = route_hints(index, {**chat(1, 1), "session_id": "abc", "user": "u1"}, None).key
+    assert by_field == route_hints(index, chat(2, 3), "abc").key == "session:abc"
+
+
+def test_requests_with_different_cache_salts_are_never_one_conversation() -> None:
+    index = PrefixIndex()
+    turns = [chat(1, turn) for turn in range(1, 4)]
+    for named in ({}, {"session_id": "s"}, {"user": "u"}):
+        keys = {salt: {route_hints(index, {**t, **named, "cache_salt": salt}, None).key for t in turns}
+                for salt in ("tenant-a", "tenant-b")}  # fmt: skip
+        assert all(len(k) == 1 for k in keys.values()), keys  # each salt: one conversation across its turns
+        assert keys["tenant-a"] != keys["tenant-b"]
+
+
 def nodes(count: int) -> list[NodeState]:
     return [NodeState(node=Node(node_id=f"n{i}:1", role=Role.MIXED, url=f"http://n{i}:1", models=("m",)))
             for i in range(count)]  # fmt: skip

@@ -122,7 +122,7 @@ def test_unknown_model_is_a_404_listing_the_known_ones(proxy: ProxyProc) -> None
 
 @pytest.mark.parametrize(
     ("body", "status"),
-    [(b"{not json", 400), (b"[1, 2]", 400), (b'{"prompt": "x"}', 400), (b'{"model": 5}', 400),
+    [(b"{not json", 400), (b"[1, 2]", 400), (b'{"model": "", "prompt": "x"}', 400), (b'{"model": 5}', 400),
      (b'{"model": "sim-model", "stream": "yes"}', 400)],
 )  # fmt: skip
 def test_malformed_requests_get_openai_errors_and_reach_no_node(

@@ -102,6 +102,9 @@ def test_registers_once_the_node_is_healthy_with_models_from_the_node(
     unhealthy.unlink()
     entry = wait_for_key(etcd, key)
     registered_at = entry.record.pop("registered_at")
+    cards = entry.record.pop("model_cards")
+    # The node's own /v1/models entries, for the proxy's merged model list.
+    assert [(c["id"], c["owned_by"]) for c in cards] == [("m-a", "vllm"), ("m-b", "vllm")]
     assert entry.record == {
         "url": node.url,
         "role": "prefill",

@@ -68,6 +68,7 @@ async def test_model_cards_give_root_parent_and_max_model_len(node: SimNode, cli
         ("/loras/chat", MODEL, None),
     ]  # fmt: skip
     assert all(c["owned_by"] == "vllm" and c["permission"][0]["object"] == "model_permission" for c in cards.values())
+    assert (await client.get(f"{node.url}/v1/models/{MODEL}")).status_code == 404  # vLLM has no GET /v1/models/{id}
 
 
 async def test_a_request_for_a_lora_adapter_is_answered_in_its_name(node: SimNode, client: httpx.AsyncClient) -> None:
@@ -101,7 +102,7 @@ async def test_admin_routes_answer_200_and_are_recorded(node: SimNode, client: h
 async def test_a_sleeping_node_holds_generation_until_woken_and_stays_healthy(
     node: SimNode, client: httpx.AsyncClient
 ) -> None:
-    assert (await client.post(f"{node.url}/sleep?level=1")).status_code == 200
+    node.sleep(level=1)
     try:
         assert (await client.get(f"{node.url}/is_sleeping")).json() == {"is_sleeping": True}
         assert (await client.get(f"{node.url}/health")).status_code == 200
@@ -109,9 +110,9 @@ async def test_a_sleeping_node_holds_generation_until_woken_and_stays_healthy(
         held = asyncio.ensure_future(client.post(f"{node.url}/v1/chat/completions", json=CHAT,
                                                  headers={"x-request-id": "asleep"}))  # fmt: skip
         await asyncio.to_thread(node.wait_for_request, request_id="asleep", state="sleeping")
-        assert not held.done()
+        assert not held.done() and node.snapshot()["waiting"] == 1
     finally:
-        assert (await client.post(f"{node.url}/wake_up")).status_code == 200
+        node.wake_up()
     assert (await held).status_code == 200
     assert (await client.get(f"{node.url}/is_sleeping")).json() == {"is_sleeping": False}
 
@@ -138,3 +139,26 @@ def test_lora_flags_read_names_and_paths(tmp_path: Path) -> None:
     settings = parse_settings(["--lora", "a", "--lora", "b=/p/b"], {})
     assert settings.loras == (("a", "/adapters/a"), ("b", "/p/b"))
     assert parse_settings([], {"VLLM_SIM_LORA": "x, y=/q"}).loras == (("x", "/adapters/x"), ("y", "/q"))
+
+
+async def test_a_different_cache_salt_misses_the_prefix_cache(node: SimNode, client: httpx.AsyncClient) -> None:
+    words = " ".join(f"salted{i}" for i in range(40))
+    chat = {**CHAT, "messages": [{"role": "user", "content": words}]}
+    for rid, salt in (("salt-a1", "a"), ("salt-a2", "a"), ("salt-b", "b")):
+        response = await client.post(f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": salt},
+                                     headers={"x-request-id": rid})  # fmt: skip
+        assert response.status_code == 200
+    hits = [node.wait_for_request(request_id=rid)["cached_tokens"] for rid in ("salt-a1", "salt-a2", "salt-b")]
+    assert hits[0] == 0 and hits[1] >= 32 and hits[2] == 0
+    empty = await client.post(f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": ""})
+    assert empty.status_code == 400
+
+
+async def test_ping_and_load_answer_as_vllms_and_are_not_recorded(node: SimNode, client: httpx.AsyncClient) -> None:
+    node.clear_requests()
+    assert (await client.get(f"{node.url}/ping")).status_code == 200
+    assert (await client.post(f"{node.url}/ping")).status_code == 200
+    assert (await client.get(f"{node.url}/load")).json() == {"server_load": 0}
+    for path in ("/health", "/v1/models", "/is_sleeping", "/metrics", "/version"):
+        assert (await client.get(f"{node.url}{path}")).status_code == 200
+    assert node.requests() == []

@@ -75,3 +75,13 @@ def test_zero_capacity_disables_caching_and_its_stats() -> None:
     cache = PrefixCache(block_size=BS, capacity=0)
     assert run(cache, list(range(9))) == 0 and run(cache, list(range(9))) == 0
     assert (cache.queries, cache.hits, cache.cached_blocks, cache.usage) == (0, 0, 0, 0.0)
+
+
+def test_requests_with_different_cache_salts_never_share_blocks() -> None:
+    cache = PrefixCache(block_size=BS, capacity=100)
+    prompt = list(range(12))
+    lease = cache.admit(prompt, "alice")
+    cache.release(lease, [])
+    assert cache.admit(prompt, "bob").hit_tokens == 0
+    assert cache.admit(prompt).hit_tokens == 0
+    assert cache.admit(prompt, "alice").hit_tokens == 8

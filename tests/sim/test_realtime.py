@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.support.sim_node import SimNode
 
@@ -29,7 +29,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
 
 @pytest.fixture
 async def session(node: SimNode) -> AsyncIterator[ClientConnection]:
-    url = node.url.replace("http://", "ws://") + "/v1/realtime?model=" + MODEL
+    url = f"{node.ws_url}/v1/realtime?model={MODEL}"
     async with connect(url, additional_headers={"x-request-id": "rt-client"}) as ws:
         yield ws
 
@@ -82,7 +82,7 @@ async def test_bad_events_get_vllms_error_events(session: ClientConnection) -> N
 
 async def test_a_client_close_reaches_the_node_and_is_recorded(node: SimNode) -> None:
     node.clear_requests()
-    url = node.url.replace("http://", "ws://") + "/v1/realtime"
+    url = f"{node.ws_url}/v1/realtime"
     async with connect(url, additional_headers={"x-request-id": "rt-close"}) as ws:
         session_id = (await receive(ws))["id"]
         await send(ws, type="session.update", model=MODEL)
@@ -100,10 +100,25 @@ async def test_a_client_close_reaches_the_node_and_is_recorded(node: SimNode) ->
 
 async def test_the_server_can_close_its_sessions(node: SimNode, session: ClientConnection) -> None:
     await receive(session)
-    closed = httpx.post(f"{node.url}/sim/realtime/close", json={"code": 1001}).json()["closed"]
-    assert len(closed) == 1
+    assert len(node.close_websockets(code=1001)) == 1
     with pytest.raises(ConnectionClosed) as caught:
         await asyncio.wait_for(session.recv(), 5.0)
     assert caught.value.rcvd is not None and caught.value.rcvd.code == 1001
     record = await asyncio.to_thread(node.wait_for_request, request_id="rt-client", state="closed")
     assert record["detail"]["closed_by"] == "server"
+
+
+async def test_an_api_key_guards_the_websocket_and_the_v2_and_inference_routes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    with SimNode(tmp_path_factory.mktemp("sim-key"), model=[MODEL], api_key="k") as guarded:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(f"{guarded.ws_url}/v1/realtime"):
+                pass
+        assert refused.value.response.status_code == 401
+        async with connect(f"{guarded.ws_url}/v1/realtime", additional_headers={"authorization": "Bearer k"}) as ws:
+            assert (await receive(ws))["type"] == "session.created"
+        async with httpx.AsyncClient() as client:
+            for path in ("/v2/rerank", "/inference/v1/generate"):
+                assert (await client.post(f"{guarded.url}{path}", json={})).status_code == 401
+            assert (await client.post(f"{guarded.url}/tokenize", json={"prompt": "x"})).status_code == 200

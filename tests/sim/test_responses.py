@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from websockets.asyncio.client import ClientConnection, connect
 
 from tests.support.procs import wait_until
 from tests.support.sim_node import SimNode
@@ -196,3 +197,37 @@ async def test_the_openai_client_chains_responses(node: SimNode) -> None:
         stream = await client.responses.create(model=MODEL, input="stream it", stream=True)
         kinds = [event.type async for event in stream]
         assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+
+
+# ---- WebSocket mode ----
+
+
+async def ws_turn(ws: ClientConnection, **event: Any) -> list[dict[str, Any]]:
+    """Send a response.create and read its events up to response.completed or an error."""
+    await ws.send(json.dumps({"type": "response.create", "model": MODEL, **event}))
+    received: list[dict[str, Any]] = []
+    while not received or received[-1]["type"] not in ("response.completed", "error"):
+        received.append(json.loads(await asyncio.wait_for(ws.recv(), 5.0)))
+    return received
+
+
+async def test_websocket_mode_streams_each_response_and_chains_on_the_connection(
+    node: SimNode, client: httpx.AsyncClient
+) -> None:
+    async with connect(f"{node.ws_url}/v1/responses", additional_headers={"x-request-id": "ws-mode"}) as ws:
+        first = await ws_turn(ws, input=LONG_INPUT, request_id="resp_ws1", max_output_tokens=4)
+        assert [e["type"] for e in first] == STREAM_EVENTS
+        second = await ws_turn(ws, input="more", request_id="resp_ws2", previous_response_id="resp_ws1")
+        assert second[-1]["response"]["previous_response_id"] == "resp_ws1"
+        stale = await ws_turn(ws, input="again", previous_response_id="resp_ws1")
+        assert stale == [{"type": "error", "status": 404, "error": {
+            "code": "previous_response_not_found", "message": "Response 'resp_ws1' not found in connection cache",
+        }}]  # fmt: skip
+        warm = await ws_turn(ws, input="warm", generate=False)
+        assert [e["type"] for e in warm] == ["response.created", "response.completed"]
+    assert (await client.get(f"{node.url}/v1/responses/resp_ws2")).json()["status"] == "completed"
+    one, two = (node.wait_for_request(id=f"resp_ws{i}", method="WEBSOCKET") for i in (1, 2))
+    assert two["prompt_tokens"] > one["prompt_tokens"] + one["completion_tokens"] and two["cached_tokens"] > 0
+    session = await asyncio.to_thread(node.wait_for_request, request_id="ws-mode", state="closed", path="/v1/responses",
+                                      id="")  # fmt: skip
+    assert session["detail"]["closed_by"] == "client" and session["detail"]["events"] == ["response.create"] * 4

@@ -5,10 +5,12 @@
     httpx.post(f"{node.url}/v1/completions", json={"model": "sim-model", "prompt": "hi"})
     node.requests()                    # what the node saw: request ids, kv_transfer_params, cancelled, ...
     node.configure(hang=True)          # change ttft/itl/fail_rate/fail_status/hang/... at runtime
+    node.sleep(); node.wake_up()       # vLLM's sleep mode: generation holds meanwhile
     node.kill()                        # SIGKILL, like a crash; node.stop() is a clean SIGTERM
 
 Keyword knobs are the CLI flags with underscores (``max_num_seqs=1``, ``api_key="k"``, ``hang=True``); a
-``list``/``tuple`` value repeats the flag (``model=["a", "b"]``). See ``python -m sim --help``.
+``list``/``tuple`` value repeats the flag (``model=["a", "b"]``, ``lora=["sql", "chat=/loras/chat"]``). See
+``python -m vllm_etcd_proxy.sim --help``.
 """
 
 from __future__ import annotations
@@ -154,6 +156,24 @@ class SimNode:
 
         wait_until(check, timeout, f"a request matching {match} on {self.name}")
         return found[-1]
+
+    @property
+    def ws_url(self) -> str:
+        """``ws://127.0.0.1:PORT``, for /v1/realtime."""
+        return f"ws://{self.host_port}"
+
+    def sleep(self, level: int = 1) -> None:
+        """POST /sleep: generation holds until wake_up(); /is_sleeping says so."""
+        httpx.post(f"{self.url}/sleep", params={"level": level}, timeout=5.0).raise_for_status()
+
+    def wake_up(self) -> None:
+        httpx.post(f"{self.url}/wake_up", timeout=5.0).raise_for_status()
+
+    def close_websockets(self, code: int = 1000) -> list[str]:
+        """Close every open /v1/realtime session from the node's side; returns their session ids."""
+        response = httpx.post(f"{self.url}/sim/realtime/close", json={"code": code}, timeout=5.0)
+        response.raise_for_status()
+        return list(response.json()["closed"])
 
     def metrics(self) -> str:
         response = httpx.get(f"{self.url}/metrics", timeout=5.0)
