@@ -136,6 +136,22 @@ async def test_a_session_update_for_the_first_nodes_model_stays_there(
     assert record["detail"]["events"][0] == "session.update"
 
 
+async def test_the_responses_websocket_mode_goes_to_the_node_of_the_first_events_model(
+    proxy: ProxyProc, nodes: dict[str, SimNode]
+) -> None:
+    url = proxy.url.replace("http://", "ws://") + "/v1/responses"
+    async with connect(url, additional_headers={**AUTH, "x-request-id": "rt-responses"}) as ws:
+        # The client speaks first here: the session moves before response.create reaches any node.
+        create = {"type": "response.create", "model": "rt-b", "input": "hello", "max_output_tokens": 3}
+        await ws.send(json.dumps(create))
+        while (event := await receive(ws))["type"] != "response.completed":
+            assert event["type"] != "error", event
+        assert event["response"]["model"] == "rt-b"
+    record = await asyncio.to_thread(nodes["rt-b"].wait_for_request, 10.0, request_id="rt-responses",
+                                     path="/v1/responses", state="closed")  # fmt: skip
+    assert record["detail"]["events"] == ["response.create"]
+
+
 async def test_a_client_close_reaches_the_node_with_its_code(proxy: ProxyProc, nodes: dict[str, SimNode]) -> None:
     async with connect(ws_url(proxy, "?model=rt-a"), additional_headers={**AUTH, "x-request-id": "rt-bye"}) as ws:
         await receive(ws)
