@@ -102,3 +102,32 @@ async def test_keep_alive_through_a_silent_partition_shorter_than_ttl_minus_the_
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
+
+
+async def test_behind_a_silent_partition_both_streams_move_to_the_next_endpoint(
+    etcd: EtcdServer, relay: TcpRelay
+) -> None:
+    settings = EtcdSettings(endpoints=(relay.endpoint, etcd.endpoint), dead_after=QUICK)
+    async with EtcdClient(settings) as client:
+        lease = await client.grant(5)
+        refreshed: list[float] = []
+        keeper = asyncio.create_task(client.keep_alive(lease, 5, lambda _: refreshed.append(time.monotonic())))
+        batches: list[WatchBatch] = []
+        watcher = asyncio.create_task(_watch(client, 1, batches))
+        try:
+            await eventually(lambda: bool(refreshed) and bool(batches), 5.0, "a refresh and the created batch")
+            await relay.partition()
+            cut = time.monotonic()
+            with pytest.raises(EtcdUnavailable):
+                await asyncio.wait_for(watcher, QUICK + 5.0)
+            assert client.current_endpoint == etcd.endpoint
+            await eventually(lambda: refreshed[-1] > cut + QUICK, QUICK + 2.0, "a refresh through the other member")
+            batches = []
+            watcher = asyncio.create_task(_watch(client, 1, batches))
+            await eventually(lambda: bool(batches), 5.0, "a watch through the other member")
+            assert not keeper.done()
+        finally:
+            for task in (keeper, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, EtcdUnavailable):
+                    await task
