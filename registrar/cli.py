@@ -200,10 +200,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # httpx logs every probe at INFO; that is noise every --health-interval.
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
-    if settings.ttl <= settings.etcd.lease_bound:
-        logger.warning("--ttl %d is not above %.1fs, the longest a lease can go unrefreshed when etcd's network "
-                       "fails silently (from --etcd-dead-after): a short partition can cost the key",
-                       settings.ttl, settings.etcd.lease_bound)  # fmt: skip
     try:
         return asyncio.run(Runner(settings).run())
     except StartupError as exc:
