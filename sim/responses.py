@@ -213,8 +213,7 @@ def _background(engine: Engine, store: dict[str, Stored], run: Run) -> Response:
 
 def _lookup(request: Request) -> tuple[Engine, Record, Stored | None, str]:
     engine, record = engine_of(request), new_record(request)
-    response_id = request.path_params["response_id"]
-    record.id = response_id
+    response_id = request.path_params["response_id"]  # in the record's path; its id names created responses only
     return engine, record, _store(request).get(response_id), response_id
 
 
