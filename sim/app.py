@@ -1,8 +1,9 @@
 """The simulated node's HTTP API: vLLM's OpenAI-compatible routes plus /sim/* controls for tests.
 
-Routes: GET /health, /metrics, /version, /v1/models; POST /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize; the node-admin routes of ``admin``; GET|POST /sim/config; GET|DELETE /sim/requests. Any other
-request is recorded, then 404.
+Routes: GET /health, /ping, /load, /metrics, /version, /v1/models; POST /v1/completions, /v1/chat/completions,
+/tokenize, /detokenize; those of ``responses`` and ``responses_ws`` (the Responses API), ``audio``, ``realtime``,
+``pooling``, ``tokens_api``, ``anthropic`` and ``admin`` (node-admin); GET|POST /sim/config; GET|DELETE
+/sim/requests. Any other request is recorded, then 404 as FastAPI answers (vLLM has no GET /v1/models/{id}).
 """
 
 from __future__ import annotations
