@@ -22,7 +22,7 @@ demo: venv etcd
 	$(BIN)/python -m tests.demo
 
 test: venv etcd
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m tests.loopback_only $(BIN)/python -m pytest -q
 
 lint: venv
 	$(BIN)/ruff check fleet proxy registrar sim tests $(wildcard bench)

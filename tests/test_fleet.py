@@ -108,13 +108,13 @@ def test_bare_etcdctl_key_with_empty_value_is_routable(
 
 
 GARBAGE = [
-    ("decode/10.0.0.1:1", "not json"),
-    ("decode/10.0.0.2:1", "[1,2]"),
-    ("gpu/10.0.0.3:1", ""),
+    ("decode/127.0.0.11:1", "not json"),
+    ("decode/127.0.0.12:1", "[1,2]"),
+    ("gpu/127.0.0.13:1", ""),
     ("decode/no-port", ""),
-    ("decode/10.0.0.4:1", '{"url": "ftp://10.0.0.4:1"}'),
-    ("decode/10.0.0.5:1", '{"url": "http://user:pw@10.0.0.5:1"}'),
-    ("prefill/10.0.0.6:1", '{"role": "decode"}'),
+    ("decode/127.0.0.14:1", '{"url": "ftp://127.0.0.14:1"}'),
+    ("decode/127.0.0.15:1", '{"url": "http://user:pw@127.0.0.15:1"}'),
+    ("prefill/127.0.0.16:1", '{"role": "decode"}'),
 ]
 
 

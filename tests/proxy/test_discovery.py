@@ -32,12 +32,12 @@ def record(role: str, url: str, **extra: object) -> str:
 
 
 INVALID_VALUES = {
-    LAYOUT.key(Role.DECODE, "10.0.0.1:1"): b"\xff\xfe not utf-8",
-    LAYOUT.key(Role.DECODE, "10.0.0.2:1"): b"{not json",
-    LAYOUT.key(Role.DECODE, "10.0.0.3:1"): record("prefill", "http://10.0.0.3:1").encode(),
-    LAYOUT.key(Role.DECODE, "10.0.0.4:1"): record("decode", "ftp://10.0.0.4:1").encode(),
+    LAYOUT.key(Role.DECODE, "127.0.0.11:1"): b"\xff\xfe not utf-8",
+    LAYOUT.key(Role.DECODE, "127.0.0.12:1"): b"{not json",
+    LAYOUT.key(Role.DECODE, "127.0.0.13:1"): record("prefill", "http://127.0.0.13:1").encode(),
+    LAYOUT.key(Role.DECODE, "127.0.0.14:1"): record("decode", "ftp://127.0.0.14:1").encode(),
     LAYOUT.key(Role.DECODE, "not-a-host-port"): b"",
-    LAYOUT.cluster_prefix + "gpu/10.0.0.5:1": b"",
+    LAYOUT.cluster_prefix + "gpu/127.0.0.15:1": b"",
 }
 """Each one a different reason for a record to be ignored."""
 

@@ -141,6 +141,7 @@ def test_admin_add_refuses_anything_but_host_port(proxy: ProxyProc, instance: st
 
 
 def test_admin_add_outside_the_allowed_networks_is_forbidden(proxy: ProxyProc) -> None:
+    # The address is only parsed: refused before the node is added, so nothing ever contacts it.
     answer = proxy.post("/instances/add", json={"type": "decode", "instance": "10.1.2.3:8000"},
                         headers={"X-Api-Key": "adm"})  # fmt: skip
     assert answer.status_code == 403

@@ -248,9 +248,12 @@ async def test_mixed_node_ignores_kv_transfer_params(node: SimNode, client: http
 
 
 async def test_batch_slowdown_stretches_each_step_by_the_sequences_running_beside_it(sim_logs: Path) -> None:
-    with SimNode(sim_logs, ttft=0.0, itl=0.1, batch_slowdown=1.0) as node:
+    # A first token after 0.3 s: two requests sent together are both running before either's first gap, even
+    # when a busy machine delays the second one's arrival.
+    with SimNode(sim_logs, ttft=0.3, itl=0.1, batch_slowdown=1.0) as node:
         async with httpx.AsyncClient(timeout=30.0) as c:
             payload = {"model": MODEL, "prompt": "x", "max_tokens": 4, "ignore_eos": True}
+            await c.post(f"{node.url}/v1/completions", json=payload)  # connections open before the timed pair
 
             async def mean_gap(requests: int) -> float:
                 before = read_token_latency(node.metrics().encode()) or (0.0, 0.0)
@@ -259,8 +262,9 @@ async def test_batch_slowdown_stretches_each_step_by_the_sequences_running_besid
                 total, count = read_token_latency(node.metrics().encode()) or (0.0, 0.0)
                 return (total - before[0]) / (count - before[1])
 
-            # Two at once: every gap waits 0.1 s x (1 + 1 x 1); a sleep is never shorter than asked.
-            assert await mean_gap(2) >= 0.19
+            # Two at once: every gap waits 0.1 s x (1 + 1 x 1); a sleep is never shorter than asked. (A gap of the
+            # second request after the first finished waits 0.1 s: the margin below allows one of the six.)
+            assert await mean_gap(2) >= 0.175
             assert await mean_gap(1) < 0.15  # alone: 0.1 s (generous: a busy machine only adds)
 
 

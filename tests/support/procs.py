@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -35,6 +36,38 @@ def free_port() -> int:
             if port not in _given_ports:
                 _given_ports.add(port)
                 return port
+
+
+class DeadPort:
+    """A loopback port where nothing listens, held so no other process can take it: a node that refuses at once.
+
+    The sockets are bound (127.0.0.1 and, where the machine has it, ::1) but never listen, so a connection to
+    ``127.0.0.1:port``, ``[::1]:port`` or ``localhost:port`` is refused without reaching anything.
+    """
+
+    def __init__(self) -> None:
+        self._sockets: list[socket.socket] = []
+        while not self._sockets:
+            v4 = socket.socket()
+            v4.bind((HOST, 0))
+            port = int(v4.getsockname()[1])
+            v6: socket.socket | None = None
+            if socket.has_ipv6:
+                v6 = socket.socket(socket.AF_INET6)
+                try:
+                    v6.bind(("::1", port))
+                except OSError as exc:
+                    v6.close()
+                    v6 = None
+                    if exc.errno == errno.EADDRINUSE:  # taken on ::1: try another number
+                        v4.close()
+                        continue
+            self._sockets = [v4] if v6 is None else [v4, v6]
+        self.port = port
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
 
 
 def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
