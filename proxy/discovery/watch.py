@@ -2,7 +2,8 @@
 
 Three layers, as in kopf's watching: ``run`` is a forever loop with capped, jittered back-off;
 ``_list`` and ``_watch`` turn etcd's answers into ``PoolEvent``s; ``EtcdClient.watch_prefix`` reads one
-response at a time under an inactivity timeout. A broken stream resumes from the last revision + 1 without
+response at a time under an inactivity timeout (``dead_after``: the stream asks etcd for progress, so
+silence means a dead connection, e.g. a silent partition). A broken stream resumes from the last revision + 1 without
 re-listing; a compaction, or an etcd whose revision went backwards (lost or restored data), forces a re-list
 whose ``Snapshot`` replaces the pool and so applies the deletes the watch missed.
 """
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START = 0.1
 """Seconds before the first retry; doubles up to ``backoff_max``."""
+BACKOFF_MAX = 2.0
+"""Longest pause between attempts. It counts from the start of the failed attempt, so an attempt that timed out
+after ``dead_after`` s is retried at once: after a partition heals the watch is back within ``dead_after`` s."""
 
 
 class _Relist(Exception):
@@ -72,7 +76,7 @@ class Discovery:
         apply: Callable[[PoolEvent], None],
         state: DiscoveryState,
         *,
-        backoff_max: float = 5.0,
+        backoff_max: float = BACKOFF_MAX,
     ) -> None:
         self._client = client
         self._layout = layout
@@ -90,6 +94,7 @@ class Discovery:
         state.enabled = True
         relist = True
         while True:
+            started = asyncio.get_running_loop().time()
             try:
                 if relist:
                     await self._list()
@@ -113,7 +118,8 @@ class Discovery:
             self._broken = True
             self._failures += 1
             delay = min(self._backoff_max, BACKOFF_START * 2 ** (self._failures - 1))
-            await asyncio.sleep(random.uniform(delay / 2, delay))
+            elapsed = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(max(0.0, random.uniform(delay / 2, delay) - elapsed))
 
     async def _list(self) -> None:
         state = self._state

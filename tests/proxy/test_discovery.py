@@ -204,7 +204,8 @@ async def test_silently_stopped_etcd_is_detected_and_the_watch_reconnects(etcd: 
         assert etcd.proc is not None
         etcd.proc.signal(signal.SIGSTOP)
         try:
-            await eventually(lambda: not run.state.connected, 20.0, "silent partition detected")
+            # Within dead_after (3 s) of the last answer, not the ~15 s gRPC keepalive pings would take.
+            await eventually(lambda: not run.state.connected, settings.dead_after + 2.0, "silent partition detected")
             assert "UNAVAILABLE" in run.state.last_error or "timed out" in run.state.last_error
         finally:
             etcd.proc.signal(signal.SIGCONT)
