@@ -5,6 +5,7 @@ scripted one, so each node's answer is exact."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from tests.support.procs import HOST, free_port
 from vllm_etcd_proxy.proxy.app import ProxyApp, build_app
 from vllm_etcd_proxy.proxy.cli import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed
+from vllm_etcd_proxy.proxy.serving.forwarder import BUSY_HOLD
 from vllm_etcd_proxy.proxy.upstream.transport import UpstreamRequest, UpstreamResponse
 
 MODEL = "m"
@@ -122,14 +124,30 @@ async def test_a_5xx_is_retried_on_another_node_and_counts_against_the_first() -
         assert state[NODE_A]["in_flight"] == state[NODE_B]["in_flight"] == 0
 
 
-@pytest.mark.parametrize("busy", [429, 503])
-async def test_a_busy_node_is_passed_over_but_never_ejected(busy: int) -> None:
-    transport = ScriptedTransport({NODE_A: [Answer(status=busy, chunks=[b"{}"])], NODE_B: [Answer()]})
+async def test_a_node_answering_429_is_passed_over_but_never_ejected() -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(status=429, chunks=[b"{}"])], NODE_B: [Answer()]})
     async with replica(transport, "--eject-after", "1") as url, httpx.AsyncClient(base_url=url) as client:
         for _ in range(6):
             assert (await client.post("/v1/completions", json=completion())).status_code == 200
         state = await workers(client)
         assert transport.calls.count(NODE_A) >= 2
+        assert state[NODE_A]["ejected"] is False and state[NODE_A]["consecutive_failures"] == 0
+
+
+async def test_a_node_answering_503_is_held_back_for_a_while_then_tried_again_never_ejected() -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(status=503, chunks=[b"{}"])], NODE_B: [Answer()]})
+    async with replica(transport, "--eject-after", "1") as url, httpx.AsyncClient(base_url=url) as client:
+        started = time.monotonic()
+        for _ in range(6):
+            assert (await client.post("/v1/completions", json=completion())).status_code == 200
+        if time.monotonic() - started < BUSY_HOLD:
+            assert transport.calls.count(NODE_A) == 1  # held back after its 503 (vLLM scaling, say)
+        deadline = time.monotonic() + 10
+        while transport.calls.count(NODE_A) < 2:
+            assert time.monotonic() < deadline, "the node was never tried again after its hold"
+            assert (await client.post("/v1/completions", json=completion())).status_code == 200
+            await asyncio.sleep(0.05)
+        state = await workers(client)
         assert state[NODE_A]["ejected"] is False and state[NODE_A]["consecutive_failures"] == 0
 
 
