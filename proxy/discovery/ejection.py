@@ -1,6 +1,7 @@
 """Passive ejection: nodes that keep failing leave this replica's routing until a health probe succeeds.
 
-Connect errors, timeouts, 5xx and broken streams count; 4xx, 429 and 503 ("busy") do not. After
+Connect errors, timeouts, 5xx and broken streams count; 4xx, 429 and 503 ("busy") do not. A success is an
+exchange that ended well, not a response's headers (a wedged engine still sends them). After
 ``after`` failures in a row the node is ejected and probed (GET /health) with a back-off that doubles with
 each failed probe and each repeated ejection, up to ``max_backoff``. Ejection is per replica: replicas
 share nothing, and each learns on its own within a few requests.
