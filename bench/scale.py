@@ -52,6 +52,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=120.0, help="seconds to wait for a replica to see all (120)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds after convergence before the idle count (5)")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU counted (10)")
+    p.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every replica (repeatable), e.g. --replica-arg=--scrape-load=0")
     add_run_flags(p, QUICK, "1,000 nodes and 2 replicas, for CI")
     args = parse_quick(p, argv, QUICK)
     if args.nodes < 1 or args.replicas < 1 or args.parallel < 1 or args.models < 1:
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet.wait_ready()
         ports = idle_ports(args.nodes)
         a1 = _burst(fleet, etcd, "a1", ports, args, [etcd])
-        replica_args = ["--etcd", etcd.url, "--cluster", "b", "--log-level", "warning"]
+        replica_args = ["--etcd", etcd.url, "--cluster", "b", "--log-level", "warning", *args.replica_arg]
         replicas = [fleet.start(f"replica{i}", "vllm_etcd_proxy.proxy", replica_args, "/health")
                     for i in range(args.replicas)]  # fmt: skip
         fleet.wait_ready()
@@ -151,7 +153,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "ok": converged and not (a1["failed"] or b["failed"] or a2["failed"]),
         "code": code_version(), "machine": machine(started, loadavg), "wall_s": time.monotonic() - begun,
-        "config": {k: getattr(args, k) for k in ("nodes", "replicas", "parallel", "models", "bare_every", "idle")},
+        "config": {k: getattr(args, k) for k in ("nodes", "replicas", "parallel", "models", "bare_every", "idle",
+                                                       "replica_arg")},
         "bursts": {"a1": a1, "b": b, "a2": a2},
         "puts_ratio": b["seconds"] / baseline,
         "seen_after_last_put_s": seen, "seen_max_s": max(times) if converged else None,
