@@ -31,7 +31,9 @@ PARALLEL_SCRAPES = 32
 """Scrapes in flight at once, however many nodes there are."""
 SCRAPE_RATE = 250.0
 """Scrapes a second at most, however many nodes there are: about 6% of a core (0.26 ms each), and every node
-twice a second up to 125 nodes; beyond that each node's figures age in proportion (see README, "Scale")."""
+twice a second up to 100 nodes of models in demand; beyond that their figures age in proportion (README, "Scale")."""
+ROUTINE_SCRAPE_RATE = 50.0
+"""Of which at most this many for nodes no request asked for lately, or whose last scrape failed."""
 MAX_BACKOFF = 30.0
 """Longest wait before asking again a node whose scrape failed (refused, timed out, not 200)."""
 ITL_WINDOW = 5.0
@@ -66,17 +68,18 @@ class TokenLatency:
 class LoadWatcher:
     """Scrapes routable nodes' /metrics from ``PARALLEL_SCRAPES`` long-lived workers, each node every
     ``interval`` seconds, at most ``rate`` scrapes a second in all (see ``Schedule``): nodes of models in demand
-    first. A node that does not answer is asked again after a back-off that doubles up to ``MAX_BACKOFF``."""
+    first. A node that does not answer is asked again after a back-off that doubles up to ``MAX_BACKOFF``, at the
+    routine rate, until it answers."""
 
     def __init__(self, pool: Pool, transport: Transport, interval: float, headers: dict[str, str] | None, *,
-                 rate: float = SCRAPE_RATE) -> None:  # fmt: skip
+                 rate: float = SCRAPE_RATE, routine_rate: float = ROUTINE_SCRAPE_RATE) -> None:  # fmt: skip
         self._pool = pool
         self._transport = transport
         self._interval = interval
         self._head = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode("latin-1")
         self._latency: dict[str, TokenLatency] = {}
         self._backoff: dict[str, float] = {}
-        self._schedule = Schedule(rate)
+        self._schedule = Schedule(rate, routine_rate=routine_rate)
         pool.on_node(self._noticed)
         pool.on_demand(self._demanded)
 
@@ -90,9 +93,8 @@ class LoadWatcher:
         now = time.monotonic()
         for state in self._pool.serving(model):
             key = state.entry_key
-            if not self._schedule.is_urgent(key):
-                at = self._schedule.due_at(key) if key in self._backoff else None
-                self._schedule.put(key, now if at is None else at, urgent=True)
+            if key not in self._backoff and not self._schedule.is_urgent(key):
+                self._schedule.put(key, now, urgent=True)
 
     async def run(self) -> None:
         for state in list(self._pool.routable()):  # nodes that came before this task started
@@ -118,7 +120,7 @@ class LoadWatcher:
                 delay = self._interval
             else:
                 delay = self._backoff[key] = min(MAX_BACKOFF, max(2 * self._interval, 2 * self._backoff.get(key, 0)))
-            self._schedule.put(key, started + delay, urgent=self._pool.in_demand(current))
+            self._schedule.put(key, started + delay, urgent=answered and self._pool.in_demand(current))
 
     def _forget(self, key: str) -> None:
         self._schedule.drop(key)

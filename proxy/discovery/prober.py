@@ -22,6 +22,10 @@ log = logging.getLogger(__name__)
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 PROBE_RATE = 50.0
 """Probes a second at most, however many nodes there are (about 1 ms of CPU each through httpx)."""
+ROUTINE_PROBE_RATE = 10.0
+"""Of which at most this many for refreshes, and for new nodes that did not answer their first few probes."""
+EAGER_BACKOFF = 2.0
+"""A new node is probed first (urgent) while its back-off is this short: its first 4 probes, over about 4 s."""
 PARALLEL_PROBES = 8
 
 
@@ -34,16 +38,16 @@ async def fetch_models(client: httpx.AsyncClient, url: str, headers: dict[str, s
 
 class ModelProber:
     """Background workers keeping learned models current, at most ``rate`` probes a second in all: nodes not yet
-    routable first (see ``Schedule``)."""
+    routable first, while they answer or are new (see ``Schedule``)."""
 
     def __init__(self, pool: Pool, client: httpx.AsyncClient, refresh: float, headers: dict[str, str] | None = None,
-                 *, rate: float = PROBE_RATE) -> None:  # fmt: skip
+                 *, rate: float = PROBE_RATE, routine_rate: float = ROUTINE_PROBE_RATE) -> None:  # fmt: skip
         self._pool = pool
         self._client = client
         self._refresh = refresh
         self._headers = headers
         self._backoff: dict[str, float] = {}
-        self._schedule = Schedule(rate)
+        self._schedule = Schedule(rate, routine_rate=routine_rate)
         pool.on_node(self._noticed)
 
     def _noticed(self, state: NodeState) -> None:
@@ -72,7 +76,8 @@ class ModelProber:
                 self._schedule.put(key, time.monotonic() + self._refresh)
             else:
                 backoff = self._backoff[key] = min(self._refresh, max(0.25, 2 * self._backoff.get(key, 0.0)))
-                self._schedule.put(key, time.monotonic() + backoff, urgent=not state.learned)
+                urgent = not state.learned and backoff <= EAGER_BACKOFF
+                self._schedule.put(key, time.monotonic() + backoff, urgent=urgent)
 
     async def _probe(self, state: NodeState) -> bool:
         try:

@@ -3,9 +3,10 @@ its next node from, at a capped rate whatever the number of nodes.
 
 Each node has at most one due time, in one of two queues: urgent (nodes of models that get traffic, nodes not
 yet usable) and routine (the rest). When both have a node due, routine gets ``reserve`` of the turns and urgent
-the rest; when only one has, it gets them all. Turns are paced at ``rate`` a second (with up to one second's
-worth saved up while idle), so a worker's cost has a ceiling: beyond it, nodes wait longer for their turn,
-routine ones first. Taking a turn is O(log n); a node the worker finds gone or idle gives its turn back.
+the rest; when only one has, it gets them all. Turns are paced at ``rate`` a second, routine ones at no more
+than ``routine_rate`` (each with up to one second's worth saved up while idle), so a worker's cost has a ceiling
+however many nodes there are: beyond it, nodes wait longer for their turn, routine ones first. Taking a turn
+is O(log n); a node the worker finds gone or idle gives its turn back.
 """
 
 from __future__ import annotations
@@ -22,16 +23,19 @@ URGENT, ROUTINE = 0, 1
 class Schedule:
     """Due times of keys (a pool's entry keys), taken in order by ``next()`` at no more than ``rate`` a second."""
 
-    def __init__(self, rate: float, *, reserve: float = 0.2) -> None:
-        if rate <= 0:
-            raise ValueError("rate must be positive")
+    def __init__(self, rate: float, *, routine_rate: float | None = None, reserve: float = 0.2) -> None:
+        if rate <= 0 or (routine_rate is not None and routine_rate <= 0):
+            raise ValueError("rates must be positive")
         self._gap = 1.0 / rate
+        self._routine_gap = 1.0 / (routine_rate or rate)
+        self._routine_allowed_at = 0.0
         self._reserve = reserve
         self._queues: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
         self._due: dict[str, tuple[float, int]] = {}
         self._order = itertools.count()
         self._allowed_at = 0.0
         self._taken = [0, 0]
+        self._last_kind = URGENT
         self._lock = asyncio.Lock()
         self._wake: asyncio.Future[None] | None = None
 
@@ -68,6 +72,8 @@ class Schedule:
     def refund(self) -> None:
         """Give back the turn just taken (the worker found nothing to do for its key)."""
         self._allowed_at -= self._gap
+        if self._last_kind == ROUTINE:
+            self._routine_allowed_at -= self._routine_gap
 
     def _head(self, kind: int) -> tuple[float, str] | None:
         queue = self._queues[kind]
@@ -81,6 +87,8 @@ class Schedule:
     def _pick(self, now: float) -> tuple[float, int]:
         """When the next turn is due and from which queue (inf when both are empty)."""
         urgent, routine = self._head(URGENT), self._head(ROUTINE)
+        if routine is not None:
+            routine = max(routine[0], self._routine_allowed_at), routine[1]
         if urgent is not None and routine is not None and urgent[0] <= now and routine[0] <= now:
             taken = self._taken[URGENT] + self._taken[ROUTINE]
             return now, ROUTINE if self._taken[ROUTINE] < self._reserve * (taken + 1) else URGENT
@@ -98,6 +106,9 @@ class Schedule:
                     _, _, key = heapq.heappop(self._queues[kind])
                     del self._due[key]
                     self._taken[kind] += 1
+                    self._last_kind = kind
+                    if kind == ROUTINE:
+                        self._routine_allowed_at = max(self._routine_allowed_at, now - 1.0) + self._routine_gap
                     if self._taken[URGENT] + self._taken[ROUTINE] > 1000:  # the share is judged on recent turns
                         self._taken = [n // 2 for n in self._taken]
                     self._allowed_at = max(self._allowed_at, now - 1.0) + self._gap

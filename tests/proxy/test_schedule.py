@@ -79,3 +79,15 @@ async def test_many_reschedules_of_few_keys_keep_the_heap_small() -> None:
         schedule.put(f"n{i % 10}", now + i)
     assert len(schedule) == 10
     assert len(schedule._queues[1]) <= 2 * 10 + 64 + 1
+
+
+async def test_routine_turns_have_their_own_lower_ceiling() -> None:
+    schedule, now = Schedule(10_000.0, routine_rate=100.0), time.monotonic()
+    for i in range(150):
+        schedule.put(f"routine{i}", now)
+    started = time.monotonic()
+    await take(schedule, 150)
+    assert time.monotonic() - started >= 0.45  # 100 saved up, then 50 at 10 ms apart
+    schedule.put("urgent", time.monotonic(), urgent=True)
+    schedule.put("routine", time.monotonic())
+    assert await asyncio.wait_for(schedule.next(), 0.005) == "urgent"  # the routine ceiling does not hold it
