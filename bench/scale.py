@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for replica in replicas:
             replica.stop()
         a2 = _burst(fleet, etcd, "a2", ports, args, [etcd])
+        pids = {s.name: s.pid for s in fleet.servers}
     times = [t for t in seen.values() if t is not None]
     converged = len(times) == len(seen)
     baseline = statistics.mean([a1["seconds"], a2["seconds"]])
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "burst_cpu_s": burst_cpu,
         "idle_cores": idle, "idle_cores_max": max(idle.values()),
         "rss_mb_before": rss_before, "rss_mb_after": rss_after,
-        "rss_delta_mb_max": max(rss_after[k] - rss_before[k] for k in rss_after),
+        "rss_delta_mb_max": max(rss_after[k] - rss_before[k] for k in rss_after), "server_pids": pids,
     }  # fmt: skip
 
 

@@ -20,12 +20,13 @@ from vllm_etcd_proxy.proxy.discovery.schedule import Schedule
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
-PROBE_RATE = 50.0
+PROBE_RATE = 20.0
 """Probes a second at most, however many nodes there are (about 1 ms of CPU each through httpx)."""
 ROUTINE_PROBE_RATE = 10.0
 """Of which at most this many for refreshes, and for new nodes that did not answer their first few probes."""
-EAGER_BACKOFF = 2.0
-"""A new node is probed first (urgent) while its back-off is this short: its first 4 probes, over about 4 s."""
+EAGER_BACKOFF = 0.25
+"""A new node is probed first (urgent) while its back-off is this short: its first 2 probes, 0.25 s apart; then
+it waits its back-off among the routine turns (a bare key written before its node is up)."""
 PARALLEL_PROBES = 8
 
 
