@@ -103,13 +103,15 @@ def _burst(fleet: Fleet, etcd: Server, cluster: str, ports: list[int], args: arg
     """One burst of puts under ``cluster``; with the CPU the machine spent meanwhile outside ``ours``."""
     regs = Registrations.make(KeyLayout(cluster=cluster), ports, args.models, args.bare_every)
     busy0, total0 = machine_cpu_seconds()
-    ours0, bench0 = sum(s.cpu() for s in ours), time.process_time()
+    ours0, bench0, etcd0 = sum(s.cpu() for s in ours), time.process_time(), etcd.cpu()
     burst = put_all(etcd.url, regs, args.parallel)
     busy, total = machine_cpu_seconds()
     ours_cpu = sum(s.cpu() for s in ours) - ours0 + time.process_time() - bench0
+    etcd_cpu, bench_cpu = etcd.cpu() - etcd0, time.process_time() - bench0
     others = max(0.0, (busy - busy0) - ours_cpu) / burst.seconds
     return {"cluster": cluster, "seconds": burst.seconds, "failed": burst.failed, "last_revision": burst.last_revision,
-            "puts_per_s": len(regs.items) / burst.seconds, "others_cores": others,
+            "puts_per_s": len(regs.items) / burst.seconds, "others_cores": others, "etcd_cpu_s": etcd_cpu,
+            "putter_cpu_s": bench_cpu,
             "machine_busy": (busy - busy0) / max(1e-9, total - total0)}  # fmt: skip
 
 
@@ -177,7 +179,8 @@ def render(r: dict[str, Any]) -> str:
     for name, title in (("a1", "no replica"), ("b", f"{c['replicas']} replicas watching"), ("a2", "no replica")):
         x = bursts[name]
         lines.append(f"  burst {name:2} ({title:20}): {x['seconds']:6.2f} s, {x['puts_per_s']:6.0f} puts/s, "
-                     f"failed {x['failed']}; others' CPU {x['others_cores']:.2f} cores")  # fmt: skip
+                     f"failed {x['failed']}; CPU s: etcd {x['etcd_cpu_s']:.1f}, putter {x['putter_cpu_s']:.1f}; "
+                     f"others' CPU {x['others_cores']:.2f} cores")  # fmt: skip
     lines.append(f"puts with replicas / without (mean of a1, a2): {r['puts_ratio']:.2f}   (goal <= 1.20)")
     seen = ", ".join("-" if t is None else f"{t:.2f}" for t in r["seen_after_last_put_s"].values())
     top = "not all within the deadline" if r["seen_max_s"] is None else f"{r['seen_max_s']:.2f} s"
