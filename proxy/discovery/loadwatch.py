@@ -33,7 +33,8 @@ SCRAPE_RATE = 250.0
 """Scrapes a second at most, however many nodes there are: about 6% of a core (0.26 ms each), and every node
 twice a second up to 100 nodes of models in demand; beyond that their figures age in proportion (README, "Scale")."""
 ROUTINE_SCRAPE_RATE = 50.0
-"""Of which at most this many for nodes no request asked for lately, or whose last scrape failed."""
+"""Of which at most this many for nodes no request asked for lately, new ones, and those whose last scrape
+failed (these last, see ``Schedule``)."""
 MAX_BACKOFF = 30.0
 """Longest wait before asking again a node whose scrape failed (refused, timed out, not 200)."""
 ITL_WINDOW = 5.0
@@ -86,7 +87,8 @@ class LoadWatcher:
     def _noticed(self, state: NodeState) -> None:
         key = state.entry_key
         if state.routable and key not in self._schedule:
-            self._schedule.put(key, time.monotonic(), urgent=self._pool.in_demand(state))
+            urgent = self._pool.in_demand(state)
+            self._schedule.put(key, time.monotonic(), urgent=urgent, trial=not urgent)
 
     def _demanded(self, model: str) -> None:
         """A model gets requests again: its nodes' next scrapes move to the front (a failing one keeps its wait)."""
@@ -120,7 +122,8 @@ class LoadWatcher:
                 delay = self._interval
             else:
                 delay = self._backoff[key] = min(MAX_BACKOFF, max(2 * self._interval, 2 * self._backoff.get(key, 0)))
-            self._schedule.put(key, started + delay, urgent=answered and self._pool.in_demand(current))
+            urgent = answered and self._pool.in_demand(current)
+            self._schedule.put(key, started + delay, urgent=urgent, trial=not answered)
 
     def _forget(self, key: str) -> None:
         self._schedule.drop(key)

@@ -78,7 +78,7 @@ class ModelProber:
             else:
                 backoff = self._backoff[key] = min(self._refresh, max(0.25, 2 * self._backoff.get(key, 0.0)))
                 urgent = not state.learned and backoff <= EAGER_BACKOFF
-                self._schedule.put(key, time.monotonic() + backoff, urgent=urgent)
+                self._schedule.put(key, time.monotonic() + backoff, urgent=urgent, trial=not urgent)
 
     async def _probe(self, state: NodeState) -> bool:
         try:

@@ -1,10 +1,11 @@
 """Whose turn it is: the timetable each background worker (load scrapes, model probes, ejected-node probes) takes
 its next node from, at a capped rate whatever the number of nodes.
 
-Each node has at most one due time, in one of two queues: urgent (nodes of models that get traffic, nodes not
-yet usable) and routine (the rest). When both have a node due, routine gets ``reserve`` of the turns and urgent
-the rest; when only one has, it gets them all. Turns are paced at ``rate`` a second, routine ones at no more
-than ``routine_rate`` (each with up to one second's worth saved up while idle), so a worker's cost has a ceiling
+Each node has at most one due time, in one of three queues: urgent (nodes of models that get traffic and that
+answer, nodes not yet usable), routine (other nodes that answer) and trial (new nodes, failing ones). The
+first queue with a node due takes the turn, unless a later one with a node due has had less than its reserve
+(``RESERVES``) of the recent turns. Turns are paced at ``rate`` a second, routine and trial ones together at no
+more than ``routine_rate`` (each with up to one second's worth saved up while idle), so a worker's cost has a ceiling
 however many nodes there are: beyond it, nodes wait longer for their turn, routine ones first. Taking a turn
 is O(log n); a node the worker finds gone or idle gives its turn back.
 """
@@ -17,24 +18,26 @@ import itertools
 import math
 import time
 
-URGENT, ROUTINE = 0, 1
+URGENT, ROUTINE, TRIAL = 0, 1, 2
+"""The queues, first to last: nodes in demand; the rest; nodes not known to answer (new, or failing)."""
+RESERVES = (0.0, 0.2, 0.1)
+"""The least share of the turns a queue gets while it has a node due, whatever the queues before it have."""
 
 
 class Schedule:
     """Due times of keys (a pool's entry keys), taken in order by ``next()`` at no more than ``rate`` a second."""
 
-    def __init__(self, rate: float, *, routine_rate: float | None = None, reserve: float = 0.2) -> None:
+    def __init__(self, rate: float, *, routine_rate: float | None = None) -> None:
         if rate <= 0 or (routine_rate is not None and routine_rate <= 0):
             raise ValueError("rates must be positive")
         self._gap = 1.0 / rate
         self._routine_gap = 1.0 / (routine_rate or rate)
         self._routine_allowed_at = 0.0
-        self._reserve = reserve
-        self._queues: tuple[list[tuple[float, int, str]], list[tuple[float, int, str]]] = ([], [])
+        self._queues: tuple[list[tuple[float, int, str]], ...] = ([], [], [])
         self._due: dict[str, tuple[float, int]] = {}
         self._order = itertools.count()
         self._allowed_at = 0.0
-        self._taken = [0, 0]
+        self._taken = [0, 0, 0]
         self._last_kind = URGENT
         self._lock = asyncio.Lock()
         self._wake: asyncio.Future[None] | None = None
@@ -53,9 +56,10 @@ class Schedule:
         found = self._due.get(key)
         return None if found is None else found[0]
 
-    def put(self, key: str, at: float, *, urgent: bool = False) -> None:
-        """(Re)schedule ``key`` for ``at`` (``time.monotonic()``), replacing any earlier plan for it."""
-        kind = URGENT if urgent else ROUTINE
+    def put(self, key: str, at: float, *, urgent: bool = False, trial: bool = False) -> None:
+        """(Re)schedule ``key`` for ``at`` (``time.monotonic()``), replacing any earlier plan for it: in the urgent
+        queue, else in the trial one (a node not known to answer), else in the routine one."""
+        kind = URGENT if urgent else TRIAL if trial else ROUTINE
         self._due[key] = (at, kind)
         queue = self._queues[kind]
         heapq.heappush(queue, (at, next(self._order), key))
@@ -72,28 +76,29 @@ class Schedule:
     def refund(self) -> None:
         """Give back the turn just taken (the worker found nothing to do for its key)."""
         self._allowed_at -= self._gap
-        if self._last_kind == ROUTINE:
+        if self._last_kind != URGENT:
             self._routine_allowed_at -= self._routine_gap
 
-    def _head(self, kind: int) -> tuple[float, str] | None:
+    def _head(self, kind: int) -> float | None:
         queue = self._queues[kind]
         while queue:
             at, _, key = queue[0]
             if self._due.get(key) == (at, kind):
-                return at, key
+                return at if kind == URGENT else max(at, self._routine_allowed_at)
             heapq.heappop(queue)  # replaced or dropped
         return None
 
     def _pick(self, now: float) -> tuple[float, int]:
-        """When the next turn is due and from which queue (inf when both are empty)."""
-        urgent, routine = self._head(URGENT), self._head(ROUTINE)
-        if routine is not None:
-            routine = max(routine[0], self._routine_allowed_at), routine[1]
-        if urgent is not None and routine is not None and urgent[0] <= now and routine[0] <= now:
-            taken = self._taken[URGENT] + self._taken[ROUTINE]
-            return now, ROUTINE if self._taken[ROUTINE] < self._reserve * (taken + 1) else URGENT
-        heads = [(h[0], kind) for kind, h in ((URGENT, urgent), (ROUTINE, routine)) if h is not None]
-        return min(heads, default=(math.inf, URGENT))
+        """When the next turn is due and from which queue (inf when all are empty)."""
+        heads = [(at, kind) for kind in (URGENT, ROUTINE, TRIAL) if (at := self._head(kind)) is not None]
+        due = [kind for at, kind in heads if at <= now]
+        if not due:
+            return min(heads, default=(math.inf, URGENT))
+        total = sum(self._taken) + 1
+        for kind in reversed(due[1:]):  # a later queue below its reserve goes first
+            if self._taken[kind] < RESERVES[kind] * total:
+                return now, kind
+        return now, due[0]
 
     async def next(self) -> str:
         """The next key whose time has come, once the rate allows; waits as long as needed."""
@@ -107,11 +112,11 @@ class Schedule:
                     del self._due[key]
                     self._taken[kind] += 1
                     self._last_kind = kind
-                    if kind == ROUTINE:
-                        self._routine_allowed_at = max(self._routine_allowed_at, now - 1.0) + self._routine_gap
-                    if self._taken[URGENT] + self._taken[ROUTINE] > 1000:  # the share is judged on recent turns
+                    if sum(self._taken) > 1000:  # the shares are judged on recent turns
                         self._taken = [n // 2 for n in self._taken]
                     self._allowed_at = max(self._allowed_at, now - 1.0) + self._gap
+                    if kind != URGENT:
+                        self._routine_allowed_at = max(self._routine_allowed_at, now - 1.0) + self._routine_gap
                     return key
                 await self._sleep(at - now)
 

@@ -34,7 +34,7 @@ async def test_turns_are_paced_at_the_rate_once_the_saved_second_is_spent() -> N
 
 
 async def test_urgent_keys_go_first_but_routine_ones_keep_their_share() -> None:
-    schedule, now = Schedule(10_000.0, reserve=0.2), time.monotonic()
+    schedule, now = Schedule(10_000.0), time.monotonic()
     for i in range(100):
         schedule.put(f"routine{i}", now - 1)
         schedule.put(f"urgent{i}", now - 1, urgent=True)
@@ -91,3 +91,13 @@ async def test_routine_turns_have_their_own_lower_ceiling() -> None:
     schedule.put("urgent", time.monotonic(), urgent=True)
     schedule.put("routine", time.monotonic())
     assert await asyncio.wait_for(schedule.next(), 0.005) == "urgent"  # the routine ceiling does not hold it
+
+
+async def test_nodes_on_trial_come_after_routine_ones_but_keep_a_tenth_of_the_turns() -> None:
+    schedule, now = Schedule(10_000.0), time.monotonic()
+    for i in range(100):
+        schedule.put(f"trial{i}", now - 1, trial=True)
+        schedule.put(f"routine{i}", now - 1)
+    taken = await take(schedule, 50)
+    trial = sum(key.startswith("trial") for key in taken)
+    assert 3 <= trial <= 8, taken
