@@ -275,17 +275,17 @@ class Pool:
 
     def candidates(self, role: Role, model: str) -> list[NodeState]:
         """Routable nodes of ``role`` serving ``model`` (serving, models known, not ejected). A request asks this,
-        so it also marks ``model`` as in demand (see ``in_demand``)."""
+        so it also marks ``model`` as in demand (see ``in_demand``) when some node serves it."""
+        nodes = self._index.get((role, model))
+        if not nodes:
+            return []  # a name no node serves is not remembered: clients cannot grow the table
         now = time.monotonic()
         last = self._asked_at.get(model)
         self._asked_at[model] = now
         if last is None or now - last > DEMAND_WINDOW:
-            if len(self._asked_at) > 10_000:  # names a client made up: keep the table bounded
-                self._asked_at = {m: t for m, t in self._asked_at.items() if now - t <= DEMAND_WINDOW}
             for listener in self._demand_listeners:
                 listener(model)
-        nodes = self._index.get((role, model))
-        return [s for s in nodes.values() if s.admits] if nodes else []
+        return [s for s in nodes.values() if s.admits]
 
     def serving(self, model: str) -> list[NodeState]:
         """Every node of any role that would serve ``model`` if it were not ejected (no demand recorded)."""
