@@ -148,7 +148,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply, discovery_state)
+            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state)
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         deadline = time.monotonic() + wait_ready
         while (time.monotonic() < deadline and not lifecycle.shutting_down

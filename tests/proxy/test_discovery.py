@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -49,9 +49,9 @@ class Recorded:
         self.real = Pool()
         self.events: list[PoolEvent] = []
 
-    def apply(self, event: PoolEvent) -> None:
-        self.events.append(event)
-        self.real.apply(event)
+    def apply(self, events: Sequence[PoolEvent]) -> None:
+        self.events.extend(events)
+        self.real.apply_all(events)
 
     @property
     def nodes(self) -> dict[str, Node]:

@@ -232,3 +232,38 @@ async def test_a_broken_stream_goes_on_from_another_node_with_the_rest_of_the_an
         assert transport.calls == [NODE_A, NODE_B]
         continuation = orjson.loads(transport.bodies[1])
         assert continuation["prompt"] == "hello one two" and continuation["max_tokens"] == 1
+
+
+def _stream_of(text: bytes, *, finish: bool) -> list[bytes]:
+    end = b', "finish_reason": "length"' if finish else b""
+    event = b'data: {"id": "cmpl-1", "created": 7, "model": "m", "choices": [{"index": 0, "text": "%s"%s}]}\n\n'
+    return [event % (text, end), *([b"data: [DONE]\n\n"] if finish else [])]
+
+
+async def test_a_broken_stream_is_resumed_on_another_node_even_when_the_policy_prefers_the_failed_one() -> None:
+    # One user: consistent-hash sends the request and its continuation to the same node, unless told to avoid it.
+    broken = Answer(headers=list(SSE), chunks=_stream_of(b" one", finish=False),
+                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    fine = Answer(headers=list(SSE), chunks=_stream_of(b" two", finish=True))
+    transport = ScriptedTransport({NODE_A: [broken, fine], NODE_B: [broken, fine]})
+    body = {**completion(stream=True), "max_tokens": 2, "user": "u1"}
+    async with replica(transport, "--policy", "consistent-hash") as url, httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/completions", json=body)
+        assert answer.content.endswith(b"data: [DONE]\n\n") and b'" one"' in answer.content
+        assert len(transport.calls) == 2 and transport.calls[0] != transport.calls[1]
+
+
+async def test_a_node_whose_streams_all_break_after_their_headers_is_ejected() -> None:
+    # Headers prove nothing (a wedged engine sends them): a node that breaks every stream must not have its
+    # failures reset by each new request's headers.
+    broken = Answer(headers=list(SSE), chunks=_stream_of(b" one", finish=False),
+                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    fine = Answer(headers=list(SSE), chunks=_stream_of(b" two", finish=True))
+    transport = ScriptedTransport({NODE_A: [broken], NODE_B: [fine]})
+    flags = ("--policy", "round-robin", "--eject-after", "2", "--eject-backoff", "60")
+    async with replica(transport, *flags) as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(4):
+            answer = await client.post("/v1/completions", json={**completion(stream=True), "max_tokens": 2})
+            assert answer.content.endswith(b"data: [DONE]\n\n")
+        assert transport.calls.count(NODE_A) == 2, transport.calls
+        assert (await workers(client))[NODE_A]["ejected"] is True
