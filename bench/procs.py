@@ -69,13 +69,15 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 
 class Server:
-    """``python -m MODULE ARGS`` listening on 127.0.0.1:``port``; output goes to a log file."""
+    """``python -m MODULE ARGS`` listening on 127.0.0.1:``port`` (or ``command``, which must listen there
+    itself); output goes to a log file."""
 
-    def __init__(self, name: str, module: str, port: int, args: Sequence[str], log_dir: Path) -> None:
+    def __init__(self, name: str, module: str, port: int, args: Sequence[str], log_dir: Path,
+                 command: Sequence[str] | None = None) -> None:  # fmt: skip
         self.name = name
         self.port = port
         self.log_path = log_dir / f"{name}.log"
-        argv = [sys.executable, "-m", module, "--host", HOST, "--port", str(port), *args]
+        argv = list(command) if command else [sys.executable, "-m", module, "--host", HOST, "--port", str(port), *args]
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
                 argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -138,13 +140,20 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self._ready_paths: dict[str, str] = {}
         self._ports: set[int] = set()
 
-    def start(self, name: str, module: str, args: Sequence[str], ready_path: str) -> Server:
-        """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready)."""
+    def port(self) -> int:
+        """A free loopback port not yet handed out in this run."""
         port = free_port()
         while port in self._ports:  # a port handed out here may not be bound yet: the kernel can offer it again
             port = free_port()
         self._ports.add(port)
-        server = Server(name, module, port, args, self.log_dir)
+        return port
+
+    def start(self, name: str, module: str, args: Sequence[str], ready_path: str, *,
+              command: Callable[[int], Sequence[str]] | None = None) -> Server:  # fmt: skip
+        """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready).
+        ``command(port)``, when given, is the whole command line instead of ``python -m module``."""
+        port = self.port()
+        server = Server(name, module, port, args, self.log_dir, command(port) if command else None)
         self.servers.append(server)
         self._ready_paths[server.name] = ready_path
         return server

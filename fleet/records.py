@@ -72,6 +72,7 @@ class Node:
         return url_host_port(self.url)
 
 
+_BAD_NODE_ID = re.compile(r"[\s/]")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 
@@ -156,7 +157,7 @@ class KeyLayout:
             role = Role(role_text)
         except ValueError:
             raise InvalidRecord(f"key {key!r} has unknown role {role_text!r}") from None
-        if any(ch.isspace() or ch == "/" for ch in node_id) or len(node_id) > 255:
+        if len(node_id) > 255 or _BAD_NODE_ID.search(node_id):
             raise InvalidRecord(f"key {key!r} has an invalid node id")
         return role, node_id
 
@@ -224,6 +225,9 @@ def _decode(value: bytes) -> tuple[node_record_pb2.NodeRecord, dict[str, object]
         raise InvalidRecord(f"value is not JSON: {exc.msg}") from None
     if not isinstance(obj, dict):
         raise InvalidRecord("value is not a JSON object")
+    fast = _plain_record(obj)
+    if fast is not None:
+        return fast, obj
     try:
         return json_format.ParseDict(obj, node_record_pb2.NodeRecord(), ignore_unknown_fields=True), obj
     except json_format.ParseError as exc:
@@ -238,6 +242,36 @@ def set_cards(record: node_record_pb2.NodeRecord, cards: Iterable[ModelCard]) ->
         record.model_cards.add().update(dict(card))
     while record.model_cards and len(encode_record(record)) > MAX_VALUE_BYTES // 2:
         del record.model_cards[-1]
+
+
+_FIELDS = {name: name for name in node_record_pb2.NodeRecord.DESCRIPTOR.fields_by_name} | {
+    field.json_name: field.name for field in node_record_pb2.NodeRecord.DESCRIPTOR.fields
+}
+"""Every name proto3 JSON accepts for a NodeRecord field (``registered_at`` and ``registeredAt``) -> the field."""
+
+
+def _plain_record(obj: dict[str, object]) -> node_record_pb2.NodeRecord | None:
+    """The record of a value as registrars write it (known fields, strings, a list of strings, a map of strings)
+    without json_format, which costs most of a burst's parsing; None for anything else, which json_format judges."""
+    fields: dict[str, object] = {}
+    for name, value in obj.items():
+        field = _FIELDS.get(name)
+        if field is None or field in fields:
+            return None
+        if field == "model_cards":
+            if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+                return None
+            continue  # read from the JSON itself (``_cards``), with its ints as ints
+        if field == "models":
+            if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+                return None
+        elif field == "labels":
+            if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+                return None
+        elif not isinstance(value, str):
+            return None
+        fields[field] = value
+    return node_record_pb2.NodeRecord(**fields)  # type: ignore[arg-type]
 
 
 def encode_record(record: node_record_pb2.NodeRecord) -> bytes:

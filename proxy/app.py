@@ -40,6 +40,7 @@ from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_PO
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
+from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.tracing.spans import make_tracer
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
@@ -154,7 +155,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply, discovery_state)
+            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state)
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         deadline = time.monotonic() + wait_ready
         while (time.monotonic() < deadline and not lifecycle.shutting_down
@@ -203,7 +204,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
     )
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
-                          operator_app, keys=keys,
+                          operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
                           tracer=tracer)  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)

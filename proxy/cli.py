@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 
 from vllm_etcd_proxy.fleet.etcd import (
+    DEAD_AFTER,
     EtcdAuthError,
     EtcdClient,
     EtcdError,
@@ -102,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-connections", type=int, default=1000, help="connections open to one node at most; more "
         "requests wait for one (default 1000)")  # fmt: skip
     add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
+    add("--etcd-dead-after", type=float, default=DEAD_AFTER, help="seconds of silence after which the etcd watch "
+        "counts as dead (a silent partition) and reconnects, to another endpoint if there are several; it asks "
+        "etcd for progress every third of this (default 3)")  # fmt: skip
+    add("--etcd-keepalive-time", type=float, default=10.0, help="seconds between gRPC pings on a busy etcd "
+        "connection, 5 or more: etcd refuses faster pings (default 10)")  # fmt: skip
+    add("--etcd-keepalive-timeout", type=float, default=5.0, help="seconds to wait for a ping's answer before "
+        "gRPC drops the connection (default 5)")  # fmt: skip
     add("--etcd-cacert", help="CA bundle to verify etcd's TLS certificate")
     add("--etcd-cert", help="client certificate for etcd")
     add("--etcd-key", help="client key for etcd")
@@ -132,8 +140,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
-            endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, cacert=args.etcd_cacert,
-            cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+            endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, dead_after=args.etcd_dead_after,
+            keepalive_time=args.etcd_keepalive_time, keepalive_timeout=args.etcd_keepalive_timeout,
+            cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
             password=read_password(args.etcd_password, args.etcd_password_file),
         )  # fmt: skip
     return ProxySettings(

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from vllm_etcd_proxy.fleet.etcd import EtcdSettings, parse_endpoints
+from vllm_etcd_proxy.fleet.etcd import DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
 from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
@@ -57,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--health-timeout", metavar="S", help="seconds one probe request may take (default: 2)")
     add("--unhealthy-after", metavar="N", help="failed checks in a row before withdrawal (default: 3)")
     add("--etcd-timeout", metavar="S", help="seconds per etcd request and for the first connect (default: 5)")
+    add("--etcd-dead-after", metavar="S", help="seconds without an answer after which the lease keep-alive (or "
+        "the key's watch) counts as dead (a silent partition) and reconnects, to another endpoint if there are "
+        f"several; the lease is refreshed every third of this at least (default: {DEAD_AFTER:g})")  # fmt: skip
+    add("--etcd-keepalive-time", metavar="S", help="seconds between gRPC pings on a busy etcd connection, 5 or "
+        "more: etcd refuses faster pings (default: 10)")  # fmt: skip
+    add("--etcd-keepalive-timeout", metavar="S", help="seconds to wait for a ping's answer before gRPC drops the "
+        "connection (default: 5)")  # fmt: skip
     add("--etcd-cacert", metavar="FILE", help="CA bundle to verify etcd's server certificate")
     add("--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add("--etcd-key", metavar="FILE", help="private key of --etcd-cert")
@@ -144,6 +151,10 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         etcd = EtcdSettings(
             endpoints=parse_endpoints(args.etcd),
             timeout=_number(args.etcd_timeout, "--etcd-timeout", 5.0, low=0.1, high=300),
+            dead_after=_number(args.etcd_dead_after, "--etcd-dead-after", DEAD_AFTER, low=0.3, high=600),
+            keepalive_time=_number(args.etcd_keepalive_time, "--etcd-keepalive-time", 10.0, low=5, high=3600),
+            keepalive_timeout=_number(args.etcd_keepalive_timeout, "--etcd-keepalive-timeout", 5.0, low=0.1,
+                                      high=600),  # fmt: skip
             cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
             user=args.etcd_user, password=password,
         )  # fmt: skip

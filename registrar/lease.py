@@ -16,6 +16,7 @@ restarted. A key deleted because its lease expired or was revoked is a lost leas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 
@@ -250,10 +251,11 @@ class Registration:
             try:
                 revision, _ = await self._client.get_prefix(self._key)
                 await self._check_still_there(lease)
-                async for batch in self._client.watch_prefix(self._key, revision + 1):
-                    backoff.reset()
-                    if any(e.type == EventType.DELETE and e.kv.key == self._key_bytes for e in batch.events):
-                        await self._check_still_there(lease)
+                async with contextlib.aclosing(self._client.watch_prefix(self._key, revision + 1)) as watch:
+                    async for batch in watch:
+                        backoff.reset()
+                        if any(e.type == EventType.DELETE and e.kv.key == self._key_bytes for e in batch.events):
+                            await self._check_still_there(lease)
             except LeaseLost:
                 raise
             except Compacted:

@@ -102,9 +102,11 @@ class Runner:
     async def _run_connected(self, client: EtcdClient) -> int:
         s = self._settings
         logger.info("registrar starting key=%s url=%s ttl=%d wrapper=%s", s.key, s.url, s.ttl, bool(s.command))
-        if s.ttl < 5:
-            logger.warning("ttl=%d is short: an etcd hiccup longer than that drops the key until etcd answers "
-                           "again", s.ttl)  # fmt: skip
+        if s.ttl <= s.etcd.lease_bound:
+            # The lease can go this long unrefreshed beyond a partition itself (see EtcdSettings.lease_bound).
+            logger.warning("ttl=%d is short: not above %.1fs (--etcd-dead-after + a third), so even a short etcd "
+                           "hiccup or partition can drop the key until etcd answers again", s.ttl,
+                           s.etcd.lease_bound)  # fmt: skip
         if self._stop.is_set():
             return 0  # told to stop before anything started
         if s.command:

@@ -5,8 +5,8 @@ records each call, so a test can prove which ones reached a node.
 
 - ``POST /sleep?level=1&mode=abort`` (200, empty): generation holds until woken (vLLM pauses its scheduler:
   "requests are still accepted but not processed"), the prefix cache is dropped; /health stays 200, /v1/models
-  and /tokenize still answer. Requests already running finish: the simulator does not abort them as vLLM's
-  default ``mode=abort`` does (``wait`` and ``keep`` are accepted and recorded alike).
+  and /tokenize still answer. ``mode=abort`` (vLLM's default) ends the requests already in the engine at their
+  next step with finish_reason "abort" (state "aborted" in their records); ``wait`` and ``keep`` let them finish.
 - ``POST /wake_up`` (200, empty), ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``.
 - ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter`` ``{"lora_name"}``:
   200 with vLLM's plain-text success line, or its 400/404 errors.
@@ -45,7 +45,7 @@ async def sleep(request: Request) -> Response:
     if level not in ("1", "2") or mode not in ("abort", "wait", "keep"):
         engine_of(request).reject(record, 400)
         raise bad_request(f"Invalid sleep level {level} or mode {mode}: expected 1 or 2, abort, wait or keep", "level")
-    engine_of(request).sleep(int(level))
+    engine_of(request).sleep(int(level), mode)
     return _ok(request, record)
 
 

@@ -31,6 +31,7 @@ from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
 from vllm_etcd_proxy.sim.wire import DONE_EVENT
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+"""vLLM's map; an aborted answer has no stop_reason (null)."""
 
 
 def anthropic_error(exc: ApiError) -> JSONResponse:
@@ -87,7 +88,7 @@ async def messages(request: Request) -> Response:
         return JSONResponse({
             "id": record.id, "type": "message", "role": "assistant",
             "content": [{"type": "text", "text": tokens.decode(out)}] if out else [], "model": name,
-            "stop_reason": STOP_REASONS.get(job.finish_reason, job.finish_reason),
+            "stop_reason": STOP_REASONS.get(job.finished_as),
             "usage": {"input_tokens": len(prompt), "output_tokens": len(out)},
         })  # fmt: skip
 
@@ -123,7 +124,7 @@ async def _stream(engine: Engine, job: Job, model: str, start: Callable[[], Awai
             yield _event("message_start", message=message)
         else:
             yield _event("content_block_stop", index=0)
-        stop = STOP_REASONS.get(job.finish_reason, job.finish_reason)
+        stop = STOP_REASONS.get(job.finished_as)
         yield _event("message_delta", delta={"stop_reason": stop},
                      usage={"input_tokens": record.prompt_tokens, "output_tokens": record.completion_tokens})
         yield _event("message_stop")

@@ -1,8 +1,9 @@
 """The simulated node's HTTP API: vLLM's OpenAI-compatible routes plus /sim/* controls for tests.
 
-Routes: GET /health, /metrics, /version, /v1/models; POST /v1/completions, /v1/chat/completions, /tokenize,
-/detokenize; the node-admin routes of ``admin``; GET|POST /sim/config; GET|DELETE /sim/requests. Any other
-request is recorded, then 404.
+Routes: GET /health, /ping, /load, /metrics, /version, /v1/models; POST /v1/completions, /v1/chat/completions,
+/tokenize, /detokenize; those of ``responses`` and ``responses_ws`` (the Responses API), ``audio``, ``realtime``,
+``pooling``, ``tokens_api``, ``anthropic`` and ``admin`` (node-admin); GET|POST /sim/config; GET|DELETE
+/sim/requests. Any other request is recorded, then 404 as FastAPI answers (vLLM has no GET /v1/models/{id}).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
             async for token in stream:
                 generated.append(token)
         kv = disagg.prefill_result(engine, record, wire) if leg.prefill else None
-        body = wire.full(generated, job.finish_reason, usage(req.prompt_tokens, len(generated)), kv)
+        body = wire.full(generated, job.finished_as, usage(req.prompt_tokens, len(generated)), kv)
         return JSONResponse(body, headers=headers)
 
     try:
@@ -105,7 +106,8 @@ async def _events(
 ) -> AsyncGenerator[str, None]:
     """The SSE body: [role chunk] token chunks (finish_reason on the last) [usage chunk] [DONE].
 
-    An answer that ends at once (its context already at EOS) has one empty chunk carrying finish_reason."""
+    An answer that ends at once (its context already at EOS), or that an aborting sleep cuts short, ends with an
+    empty chunk carrying finish_reason ("abort" for the latter)."""
     role = wire.role_event(usage(req.prompt_tokens, 0) if req.continuous_usage else None)
     last = len(job.tokens) - 1
     sent = 0
@@ -117,11 +119,11 @@ async def _events(
                 sent += 1
                 use = usage(req.prompt_tokens, sent) if req.continuous_usage else None
                 yield wire.token_event([token], job.finish_reason if sent - 1 == last else None, use, sent == 1)
-        if not job.tokens:
-            if role is not None:
+        if not job.tokens or job.finished_as == "abort":
+            if sent == 0 and role is not None:
                 yield role
-            use = usage(req.prompt_tokens, 0) if req.continuous_usage else None
-            yield wire.token_event([], job.finish_reason, use, True)
+            use = usage(req.prompt_tokens, sent) if req.continuous_usage else None
+            yield wire.token_event([], job.finished_as, use, sent == 0)
     except ApiError as exc:
         yield wire.error_event(exc)
         yield DONE_EVENT

@@ -144,6 +144,9 @@ async def _stream(
                     choice.update(finish_reason=job.finish_reason, stop_reason=None)
                 i += 1
                 yield _chunk(rid, obj, created, model, [choice], **({"usage": use()} if continuous else {}))
+        if job.finished_as == "abort":
+            choice = {"delta": {"content": ""}, "finish_reason": "abort", "stop_reason": None}
+            yield _chunk(rid, obj, created, model, [choice], **({"usage": use()} if continuous else {}))
         if include_usage:
             yield _chunk(rid, obj, created, model, [], usage=use())
     except ApiError as exc:

@@ -103,14 +103,15 @@ class Engine:
         self._awake = asyncio.Event()
         self._awake.set()
         self.asleep = 0
+        self._abort_epoch = 0
+        """Bumped by each aborting sleep: generations that arrived before it end at their next step."""
         """Requests held by sleep mode (a paused scheduler keeps them waiting)."""
         self.apply_knobs({})
 
     def apply_knobs(self, changes: dict[str, Any]) -> None:
         self.knobs.update(changes)
         self.slots.set_limit(self.knobs.max_num_seqs)
-        changed, self._knobs_changed = self._knobs_changed, asyncio.Event()
-        changed.set()
+        self._signal_knobs()
         if self.knobs.hang:
             self._unhung.clear()
         else:
@@ -125,11 +126,16 @@ class Engine:
         """The name responses carry: a LoRA adapter's own, else the first served name (vLLM's model_name)."""
         return requested if requested is not None and requested in self.loras else self.settings.served_model
 
-    def sleep(self, level: int) -> None:
-        """Sleep mode: new and waiting generations hold (the scheduler is paused) and the KV cache is dropped."""
+    def sleep(self, level: int, mode: str = "abort") -> None:
+        """Sleep mode: the scheduler pauses (requests that arrive hold until wake_up) and the KV cache is dropped;
+        with ``mode="abort"`` (vLLM's default) the requests already in the engine end at their next step with
+        finish_reason "abort"; ``wait`` and ``keep`` let them finish."""
         self.sleep_level = level
         self._awake.clear()
         self.cache.clear()
+        if mode == "abort":
+            self._abort_epoch += 1
+            self._signal_knobs()
 
     def wake_up(self) -> None:
         self.sleep_level = 0
@@ -148,6 +154,10 @@ class Engine:
                 await self._awake.wait()
             finally:
                 self.asleep -= 1
+
+    def _signal_knobs(self) -> None:
+        changed, self._knobs_changed = self._knobs_changed, asyncio.Event()
+        changed.set()
 
     def receive(self, record: Record) -> None:
         self.records.append(record)
@@ -179,6 +189,7 @@ class Engine:
         record = job.record
         outcome = "cancelled"
         arrived = time.monotonic()
+        epoch, aborted = self._abort_epoch, False
         try:
             if not self._unhung.is_set():
                 record.state = "hung"
@@ -214,13 +225,17 @@ class Engine:
                     if limit and i >= limit:
                         outcome = "failed"
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
-                    await self._stall(record, i)
+                    await self._stall(record, i, epoch)
+                    if self._abort_epoch != epoch:
+                        aborted = True
+                        break
                     record.completion_tokens += 1
                     lease.tokens += 1
                     self.counters["generation_tokens"] += 1
                     yield token
-                outcome = "done"
-                self.latencies.e2e.observe(time.monotonic() - arrived)
+                outcome = "aborted" if aborted else "done"
+                if not aborted:
+                    self.latencies.e2e.observe(time.monotonic() - arrived)
             finally:
                 self.cache.release(lease, job.tokens[: record.completion_tokens])
                 self.slots.release()
@@ -234,10 +249,10 @@ class Engine:
         """``seconds`` stretched by the other sequences running now (--batch-slowdown)."""
         return seconds * (1.0 + self.knobs.batch_slowdown * max(0, self.slots.running - 1))
 
-    async def _stall(self, record: Record, sent: int) -> None:
+    async def _stall(self, record: Record, sent: int, epoch: int) -> None:
         """hang_after_tokens: after that many tokens send nothing more, keeping the connection and the slot,
-        until the client leaves or the knob no longer applies."""
-        while (limit := self.knobs.hang_after_tokens) and sent >= limit:
+        until the client leaves, the knob no longer applies or an aborting sleep ends the generation."""
+        while (limit := self.knobs.hang_after_tokens) and sent >= limit and self._abort_epoch == epoch:
             record.state = "hung"
             await self._knobs_changed.wait()
         record.state = "running"

@@ -28,7 +28,7 @@ class Record:
     stream: bool = False
     state: str = "received"
     """received -> [hung ->] [sleeping ->] waiting -> running [-> hung (hang_after_tokens) ...] -> done | cancelled
-    | failed; or rejected (an error answer); a WebSocket session is open -> closed."""
+    | failed | aborted (by a sleep); or rejected (an error answer); a WebSocket session is open -> closed."""
     status: int | None = None
     cancelled: bool = False
     prompt_tokens: int = 0
@@ -82,3 +82,8 @@ class Job:
     """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
     cache_salt: str | None = None
     """vLLM's cache_salt: salts the prefix cache's block hashes."""
+
+    @property
+    def finished_as(self) -> str:
+        """The finish reason the answer ends with: "abort" when an aborting sleep cut it short."""
+        return "abort" if self.record.state == "aborted" else self.finish_reason

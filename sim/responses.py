@@ -116,7 +116,8 @@ async def run_events(
         for event in events.closing(item_id, text):
             yield event
         output = [wire.message_item(item_id, text)]
-    status = "incomplete" if run.job.finish_reason == "length" else "completed"
+    # vLLM: "length" -> incomplete; an aborted generation is cancelled (its harmony path's mapping).
+    status = {"length": "incomplete", "abort": "cancelled"}.get(run.job.finished_as, "completed")
     use = wire.usage(record.prompt_tokens, record.completion_tokens, record.cached_tokens)
     yield events.make("response.completed", response=run.response(status, output, use))
 
@@ -213,8 +214,7 @@ def _background(engine: Engine, store: dict[str, Stored], run: Run) -> Response:
 
 def _lookup(request: Request) -> tuple[Engine, Record, Stored | None, str]:
     engine, record = engine_of(request), new_record(request)
-    response_id = request.path_params["response_id"]
-    record.id = response_id
+    response_id = request.path_params["response_id"]  # in the record's path; its id names created responses only
     return engine, record, _store(request).get(response_id), response_id
 
 

@@ -68,7 +68,7 @@ async def generate(request: Request) -> Response:
     async def collect() -> Response:
         async with aclosing(engine.generate(job)) as stream:
             out = [token async for token in stream]
-        choice = {"index": 0, "logprobs": None, "finish_reason": job.finish_reason, "token_ids": out}
+        choice = {"index": 0, "logprobs": None, "finish_reason": job.finished_as, "token_ids": out}
         return JSONResponse({
             "id": record.id, "created": int(time.time()), "model": engine.model_name(record.model),
             "choices": [choice], "usage": usage(len(ids), len(out)), "prompt_logprobs": None,

@@ -22,7 +22,6 @@ from vllm_etcd_proxy.fleet.etcd.errors import (
     translate,
 )
 from vllm_etcd_proxy.fleet.etcd.settings import EtcdSettings, grpc_target
-from vllm_etcd_proxy.fleet.etcd.streams import WATCH_IDLE_TIMEOUT
 from vllm_etcd_proxy.fleet.etcd.values import KeyValue, WatchBatch, key_value, prefix_range, to_bytes
 from vllm_etcd_proxy.fleet.pb import etcd_rpc_pb2 as pb
 
@@ -244,14 +243,14 @@ class EtcdClient:
     # Streams (streams.py): each opens its own channel
 
     async def keep_alive(self, lease_id: int, ttl: int, on_refresh: Callable[[int], None] | None = None) -> None:
-        """Refresh a lease every ``ttl``/3 s on one stream until cancelled (see ``streams.keep_alive``)."""
+        """Keep a lease alive on one stream until cancelled, reconnecting within ``dead_after`` s of silence (see
+        ``streams.keep_alive``)."""
         await streams.keep_alive(self, lease_id, ttl, on_refresh)
 
-    def watch_prefix(
-        self, prefix: str | bytes, start_revision: int, *, idle_timeout: float = WATCH_IDLE_TIMEOUT
-    ) -> AsyncGenerator[WatchBatch, None]:
-        """Watch every key under ``prefix`` from ``start_revision`` (see ``streams.watch_prefix``)."""
-        return streams.watch_prefix(self, prefix, start_revision, idle_timeout=idle_timeout)
+    def watch_prefix(self, prefix: str | bytes, start_revision: int) -> AsyncGenerator[WatchBatch, None]:
+        """Watch every key under ``prefix`` from ``start_revision``; ``dead_after`` s of silence end it (see
+        ``streams.watch_prefix``)."""
+        return streams.watch_prefix(self, prefix, start_revision)
 
 
 def _read(path: str | None) -> bytes | None:

@@ -1,7 +1,7 @@
 """etcd's errors as ours, and the gRPC ones translated at the boundary::
 
 EtcdError              etcd refused or failed a request (``.code`` is the gRPC status name, if any)
-+-- EtcdUnavailable    no endpoint answered in time, or a stream broke: retry, resume a watch
++-- EtcdUnavailable    no endpoint answered in time, a stream broke or went silent: retry, resume
 +-- Compacted          a watch's start revision was compacted away: re-list
 +-- LeaseLost          a lease expired, was revoked, or could not be refreshed within its TTL
 +-- EtcdAuthError      bad user or password, or permission denied

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEAD_AFTER = 3.0
+"""Default of ``EtcdSettings.dead_after``: a dead stream noticed within 3 s, and a 10 s lease rides out a partition
+of up to 6 s (``lease_bound``)."""
+PROBES_PER_BOUND = 3
+"""A stream asks etcd for an answer this many times per ``dead_after``, so one late answer is not a death."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class EtcdSettings:
@@ -12,11 +18,17 @@ class EtcdSettings:
     endpoints: tuple[str, ...]
     """Client URLs (``http://host:port``, ``https://host:port``) or ``host:port``, tried in order."""
     timeout: float = 5.0
-    """Seconds for every unary call and for opening a stream; a healthy etcd answers in milliseconds."""
+    """Seconds for every unary call (its gRPC deadline); a healthy etcd answers in milliseconds."""
+    dead_after: float = DEAD_AFTER
+    """Seconds of silence after which a stream counts as dead and is opened again (on the next endpoint): a
+    watch or lease keep-alive that has heard nothing from etcd, or a new stream that has not answered its first
+    request. Both streams ask for an answer every ``probe_interval`` s (a watch progress request, a lease
+    refresh), so a healthy etcd is never silent that long. gRPC pings alone cannot get there: etcd refuses them
+    more often than every 5 s, so they notice a dead connection after 5 s plus their timeout at best."""
     keepalive_time: float = 10.0
     """Seconds between gRPC keepalive pings on a busy connection; etcd refuses pings more often than 5 s."""
     keepalive_timeout: float = 5.0
-    """Seconds to wait for a ping ack before a connection counts as dead (a silent partition)."""
+    """Seconds to wait for a ping ack before gRPC closes the connection (a backstop to ``dead_after``)."""
     cacert: str | None = None
     """PEM file of the CA that signed etcd's server certificate."""
     cert: str | None = None
@@ -33,12 +45,29 @@ class EtcdSettings:
             raise ValueError("at least one etcd endpoint is needed")
         for endpoint in self.endpoints:
             grpc_target(endpoint)
+        if not 0.3 <= self.dead_after <= 600:
+            raise ValueError("dead_after must be between 0.3 and 600 s")
+        if self.keepalive_timeout <= 0:
+            raise ValueError("keepalive_timeout must be more than 0 s")
         if self.keepalive_time < 5.0:
             raise ValueError("keepalive_time must be >= 5 s: etcd answers faster pings with GOAWAY")
         if (self.cert is None) != (self.key is None):
             raise ValueError("etcd cert and key go together")
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd user and password go together")
+
+    @property
+    def probe_interval(self) -> float:
+        """Seconds between the requests a stream makes only so that etcd answers (``dead_after`` / 3)."""
+        return self.dead_after / PROBES_PER_BOUND
+
+    @property
+    def lease_bound(self) -> float:
+        """Seconds a lease may go unrefreshed through a partition besides the partition itself: the last
+        refresh may be one ``probe_interval`` old when the bytes stop, and after they flow again the attempt in
+        flight takes up to ``dead_after`` to give up before a new connection refreshes. A lease of TTL s survives
+        every partition shorter than TTL - ``lease_bound``."""
+        return self.dead_after + self.probe_interval
 
 
 def parse_endpoints(text: str) -> tuple[str, ...]:

@@ -1,5 +1,11 @@
 """etcd's two streams: a lease's keep-alive and a watch. Each opens its own channel, so failing over never cancels
-a call that another task is still awaiting (grpc.aio turns that into a CancelledError)."""
+a call that another task is still awaiting (grpc.aio turns that into a CancelledError).
+
+A silent partition (bytes dropped, connections open) shows only as silence, so each stream makes etcd speak:
+a prober writes a request every ``settings.probe_interval`` s (a lease refresh; a watch progress request, which
+etcd answers at once), and a read that waits longer than ``settings.dead_after`` ends the stream as dead. The
+next attempt opens a new connection, on the next endpoint when there are several.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WATCH_IDLE_TIMEOUT = 15 * 60.0
-"""Seconds a watch may stay silent: etcd sends progress every 10 min; keepalive finds dead peers sooner."""
 _REQUIRE_LEADER = ("hasleader", "true")
 """Stream metadata: a member cut off from its cluster's leader ends our stream instead of going quiet."""
 _BROKEN = (grpc.aio.AioRpcError, TimeoutError, asyncio.InvalidStateError, EtcdUnavailable)
@@ -47,9 +52,34 @@ async def _stream(client: EtcdClient, method: str, request: type[Message], reply
     try:
         serialize, parse = request.SerializeToString, reply.FromString
         stream = channel.stream_stream(method, request_serializer=serialize, response_deserializer=parse)
-        yield stream(metadata=[*await client.call_metadata(), _REQUIRE_LEADER])
+        async with asyncio.timeout(client.settings.dead_after):  # the token may need a call of its own
+            metadata = await client.call_metadata()
+        yield stream(metadata=[*metadata, _REQUIRE_LEADER])
     finally:
         await channel.close()
+
+
+@contextlib.asynccontextmanager
+async def _probing(call: Any, request: Message, every: float, sent: deque[float] | None = None) -> AsyncIterator[None]:
+    """Write ``request`` on ``call`` at once and then every ``every`` s while the body runs (appending the time of
+    each write to ``sent``). A write that fails ends the probing quietly: the reader learns why, or hears silence."""
+
+    async def probe() -> None:
+        with contextlib.suppress(*_BROKEN):
+            while True:
+                if sent is not None:
+                    sent.append(time.monotonic())
+                await call.write(request)
+                await asyncio.sleep(every)
+
+    task = asyncio.create_task(probe(), name="etcd stream probe")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("etcd stream probe failed: %r", exc)
 
 
 def _failed(client: EtcdClient, exc: BaseException, endpoint: str) -> None:
@@ -69,60 +99,69 @@ def _failed(client: EtcdClient, exc: BaseException, endpoint: str) -> None:
 async def keep_alive(
     client: EtcdClient, lease_id: int, ttl: int, on_refresh: Callable[[int], None] | None = None
 ) -> None:
-    """Refresh a lease every ``ttl``/3 s on one stream until cancelled.
+    """Refresh a lease every ``ttl``/3 or ``probe_interval`` s, whichever is shorter, on one stream until cancelled.
 
-    Stream errors reconnect (failing over) while the lease may still be alive. Raises ``LeaseLost`` when
-    etcd answers TTL <= 0 or when no refresh succeeded within the lease's remaining TTL.
+    A refresh is the stream's probe: no answer for ``dead_after`` s means a dead connection, and the stream is
+    opened again (failing over) while the lease may still be alive; a failure that came quickly waits a capped
+    back-off first. Raises ``LeaseLost`` when etcd answers TTL <= 0 or when no refresh succeeded within the
+    lease's remaining TTL.
     """
-    interval, delay = ttl / 3, 0.1
+    settings = client.settings
+    interval, delay = min(ttl / 3, settings.probe_interval), 0.1
     expires = time.monotonic() + ttl
     method = "/etcdserverpb.Lease/LeaseKeepAlive"
+    request = pb.LeaseKeepAliveRequest(ID=lease_id)
     while True:
-        endpoint = client.current_endpoint
+        endpoint, started = client.current_endpoint, time.monotonic()
+        sent: deque[float] = deque()  # when each unanswered refresh was written; etcd answers in order
         try:
             async with _stream(client, method, pb.LeaseKeepAliveRequest, pb.LeaseKeepAliveResponse) as call:
-                while True:
-                    sent = time.monotonic()
-                    async with asyncio.timeout(max(0.0, min(client.settings.timeout, expires - sent))):
-                        await call.write(pb.LeaseKeepAliveRequest(ID=lease_id))
-                        reply = await call.read()
-                    if reply is grpc.aio.EOF:
-                        raise EtcdUnavailable(f"etcd {endpoint} closed the keepalive stream")
-                    if reply.TTL <= 0:
-                        raise LeaseLost(f"lease {lease_id:x} expired or was revoked")
-                    expires, delay = sent + reply.TTL, 0.1
-                    if on_refresh is not None:
-                        on_refresh(reply.TTL)
-                    await asyncio.sleep(interval)
+                async with _probing(call, request, interval, sent):
+                    while True:
+                        async with asyncio.timeout(max(0.0, min(settings.dead_after, expires - time.monotonic()))):
+                            reply = await call.read()
+                        if reply is grpc.aio.EOF:
+                            raise EtcdUnavailable(f"etcd {endpoint} closed the keepalive stream")
+                        if reply.TTL <= 0:
+                            raise LeaseLost(f"lease {lease_id:x} expired or was revoked")
+                        expires, delay = (sent.popleft() if sent else started) + reply.TTL, 0.1
+                        if on_refresh is not None:
+                            on_refresh(reply.TTL)
         except _BROKEN as exc:
             _failed(client, exc, endpoint)
-            if time.monotonic() >= expires:
+            now = time.monotonic()
+            if now >= expires:
                 raise LeaseLost(f"lease {lease_id:x} not refreshed within its TTL ({ttl}s)") from None
-            log.warning("etcd lease keepalive failed endpoint=%s lease=%x error=%s", endpoint, lease_id,
-                        type(exc).__name__)  # fmt: skip
-            await asyncio.sleep(min(delay, max(0.0, expires - time.monotonic())))
+            log.warning("etcd lease keepalive failed endpoint=%s lease=%x error=%s after=%.1fs", endpoint, lease_id,
+                        _reason(exc), now - started)  # fmt: skip
+            # An attempt that timed out has waited enough: the next one goes at once, on a new connection.
+            await asyncio.sleep(min(max(0.0, delay - (now - started)), max(0.0, expires - now)))
             delay = min(delay * 2, max(interval, 0.1))
 
 
 async def watch_prefix(
-    client: EtcdClient, prefix: str | bytes, start_revision: int, *, idle_timeout: float = WATCH_IDLE_TIMEOUT
+    client: EtcdClient, prefix: str | bytes, start_revision: int
 ) -> AsyncGenerator[WatchBatch, None]:
     """Watch every key under ``prefix`` from ``start_revision``; yield one ``WatchBatch`` per response.
 
-    The first batch is the ``created`` one; progress notifications come as batches without events.
-    Raises ``Compacted`` when ``start_revision`` was compacted, ``EtcdUnavailable`` when the stream fails
-    or stays silent for ``idle_timeout`` s (resume from the last batch's revision + 1).
+    The first batch is the ``created`` one; etcd's own progress notifications come as batches without events.
+    Raises ``Compacted`` when ``start_revision`` was compacted, ``EtcdUnavailable`` when the stream fails or
+    etcd says nothing for ``dead_after`` s although asked every ``probe_interval`` s (resume from the last batch's
+    revision + 1).
     """
     key, end = prefix_range(prefix)
     create = pb.WatchCreateRequest(key=key, range_end=end, start_revision=start_revision, progress_notify=True)
-    endpoint = client.current_endpoint
+    endpoint, bound = client.current_endpoint, client.settings.dead_after
     try:
-        async with _stream(client, "/etcdserverpb.Watch/Watch", pb.WatchRequest, pb.WatchResponse) as call:
-            async with asyncio.timeout(client.settings.timeout):
+        async with (
+            _stream(client, "/etcdserverpb.Watch/Watch", pb.WatchRequest, pb.WatchResponse) as call,
+            contextlib.AsyncExitStack() as probing,
+        ):
+            async with asyncio.timeout(bound):
                 await call.write(pb.WatchRequest(create_request=create))
-            created = False
+            watch_id: int | None = None
             while True:
-                async with asyncio.timeout(idle_timeout if created else client.settings.timeout):
+                async with asyncio.timeout(bound):
                     reply = await call.read()
                 if reply is grpc.aio.EOF:
                     raise EtcdUnavailable(f"etcd {endpoint} closed the watch stream")
@@ -130,7 +169,13 @@ async def watch_prefix(
                     if reply.compact_revision:
                         raise Compacted(reply.compact_revision)
                     raise EtcdError(f"etcd {endpoint} cancelled the watch: {reply.cancel_reason}")
-                created = created or reply.created
+                if reply.created and watch_id is None:
+                    watch_id = reply.watch_id
+                    await probing.enter_async_context(_probing(call, _PROGRESS, client.settings.probe_interval))
+                elif not reply.events and reply.watch_id != watch_id:
+                    # The answer to a progress request (watch id -1): proof of life only. etcd 3.4 may send it
+                    # ahead of events still on their way (etcd issue 15220), so its revision is no resume point.
+                    continue
                 events = [
                     Event(type=EventType.DELETE if e.type == pb.Event.DELETE else EventType.PUT, kv=key_value(e.kv))
                     for e in reply.events
@@ -142,4 +187,17 @@ async def watch_prefix(
             raise translate(exc, endpoint) from None
         if isinstance(exc, EtcdUnavailable):
             raise
-        raise EtcdUnavailable(f"etcd {endpoint}: watch stream timed out or broke") from None
+        if isinstance(exc, TimeoutError):
+            raise EtcdUnavailable(f"etcd {endpoint}: watch stream timed out, nothing heard for {bound:g}s") from None
+        raise EtcdUnavailable(f"etcd {endpoint}: watch stream broke ({type(exc).__name__})") from None
+
+
+_PROGRESS = pb.WatchRequest(progress_request=pb.WatchProgressRequest())
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "silent"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return str(exc.code().name)
+    return type(exc).__name__

@@ -1,6 +1,7 @@
 """Passive ejection: nodes that keep failing leave this replica's routing until a health probe succeeds.
 
-Connect errors, timeouts, 5xx and broken streams count; 4xx, 429 and 503 ("busy") do not. After
+Connect errors, timeouts, 5xx and broken streams count; 4xx, 429 and 503 ("busy") do not. A success is an
+exchange that ended well, not a response's headers (a wedged engine still sends them). After
 ``after`` failures in a row the node is ejected and probed (GET /health) with a back-off that doubles with
 each failed probe and each repeated ejection, up to ``max_backoff``. Ejection is per replica: replicas
 share nothing, and each learns on its own within a few requests.
@@ -16,10 +17,14 @@ from dataclasses import dataclass
 import httpx
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.discovery.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = httpx.Timeout(2.0)
+PROBE_RATE = 20.0
+"""Health probes a second at most, however many nodes are ejected."""
+PARALLEL_PROBES = 8
 HEALTHY_SPELL = 30.0
 """Seconds a reinstated node must stay healthy before its ejection back-off starts again from the base."""
 
@@ -39,11 +44,12 @@ class EjectionSettings:
 class Ejector:
     """Counts outcomes per node and runs the probes that bring ejected nodes back."""
 
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, settings: EjectionSettings) -> None:
+    def __init__(self, pool: Pool, client: httpx.AsyncClient, settings: EjectionSettings, *,
+                 rate: float = PROBE_RATE) -> None:  # fmt: skip
         self._pool = pool
         self._client = client
         self._settings = settings
-        self._wake = asyncio.Event()
+        self._schedule = Schedule(rate)
         self._reinstated_at: dict[int, float] = {}
 
     def success(self, state: NodeState) -> None:
@@ -62,7 +68,7 @@ class Ejector:
         self._pool.set_health(state, failures=failures, probation=state.probation, ejections=ejections,
                               probe_at=now + backoff)  # fmt: skip
         self._pool.set_ejected(state, True)
-        self._wake.set()
+        self._schedule.put(state.entry_key, now + backoff, urgent=True)
         log.warning("node ejected node=%s role=%s failures=%d reason=%s probe_in=%gs", state.node.node_id,
                     state.node.role.value, state.failures, reason, backoff)  # fmt: skip
 
@@ -70,20 +76,21 @@ class Ejector:
         return float(min(self._settings.max_backoff, self._settings.base_backoff * 2 ** (times - 1)))
 
     async def run(self) -> None:
-        """Probe ejected nodes when due; forever."""
+        """Probe ejected nodes when due, from ``PARALLEL_PROBES`` workers at ``rate`` probes a second at most."""
+        for state in self._pool.ejected():
+            self._schedule.put(state.entry_key, state.probe_at, urgent=True)
+        await asyncio.gather(*(self._work() for _ in range(PARALLEL_PROBES)))
+
+    async def _work(self) -> None:
         while True:
-            self._wake.clear()
-            now = time.monotonic()
-            ejected = [s for s in self._pool.all() if s.ejected]
-            due = [s for s in ejected if s.probe_at <= now]
-            if due:
-                await asyncio.gather(*(self._probe(s) for s in due))
+            key = await self._schedule.next()
+            state = self._pool.get(key)
+            if state is None or not state.ejected:
+                self._schedule.refund()
                 continue
-            wait = min((s.probe_at - now for s in ejected), default=3600.0)
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.01, wait))
-            except TimeoutError:
-                pass
+            await self._probe(state)
+            if state.ejected and self._pool.get(key) is state:
+                self._schedule.put(key, state.probe_at, urgent=True)
 
     async def _probe(self, state: NodeState) -> None:
         try:

@@ -8,124 +8,100 @@ or ``{source}:{role}/{node_id}`` for in-memory nodes.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable
 
 from vllm_etcd_proxy.fleet.records import Node, Role, Status
 from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, Upsert
+from vllm_etcd_proxy.proxy.discovery.state import NodeState, entry_key
 
+__all__ = ["NodeState", "Pool", "entry_key"]
 
-@dataclass(eq=False)
-class NodeState:
-    """One node as this replica sees it. Written only through ``Pool``'s methods; the balancer reads it (within
-    one synchronous ``choose`` call, so every field it reads is from the same moment)."""
-
-    node: Node
-    learned_models: tuple[str, ...] = ()
-    """Models from the node's GET /v1/models, used when the record names none."""
-    learned: bool = False
-    """True once the node's GET /v1/models answered."""
-    learned_cards: Mapping[str, ModelCard] = field(default_factory=dict)
-    """The entries of that answer by model id, as the node gave them."""
-    in_flight: int = 0
-    """Requests this replica has open on the node right now."""
-    node_waiting: int = 0
-    """Requests waiting in the node's own queue (all replicas'), from its /metrics when --scrape-load is on."""
-    node_running: int = 0
-    """Requests the node is running (all replicas'), from its /metrics when --scrape-load is on."""
-    kv_usage: float = 0.0
-    """The node's KV-cache usage, 0 to 1, from its /metrics when --scrape-load is on."""
-    node_itl: float | None = None
-    """The node's recent mean seconds between output tokens, from its /metrics (None: not known yet)."""
-    prefix_hit_rate: float | None = None
-    """The node's prefix-cache hits per queried token over the last seconds, from its /metrics (None: unknown)."""
-    load_at: float | None = None
-    """``time.monotonic()`` of the last successful scrape of the node's /metrics (None: never)."""
-    served: int = 0
-    """Requests completed through this replica (any outcome)."""
-    failures: int = 0
-    """Consecutive failures (connect errors, timeouts, 5xx); reset by a success."""
-    ejected: bool = False
-    """True while this replica does not route to the node (after repeated failures, until a probe succeeds)."""
-    ejections: int = 0
-    """Ejections in a row without a healthy spell in between; the probe back-off doubles with each."""
-    probe_at: float = 0.0
-    """monotonic() time of the next health probe while ejected."""
-    probation: bool = False
-    """Back from ejection but not yet proven: takes one request at a time until one succeeds."""
-    asleep: bool = False
-    """The node's /metrics says its engine sleeps (vLLM's sleep mode): no new requests until it wakes."""
-    busy_until: float = 0.0
-    """monotonic() time until which the node gets no new requests: it answered 503 (scaling, overloaded)."""
-
-    @property
-    def entry_key(self) -> str:
-        return entry_key(self.node)
-
-    @property
-    def models_known(self) -> bool:
-        return bool(self.node.models) or self.learned
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        return self.node.models or self.learned_models
-
-    @property
-    def cards(self) -> Mapping[str, ModelCard]:
-        """The node's own model list entries, from its record or from asking it."""
-        return self.node.cards or self.learned_cards
-
-    @property
-    def routable(self) -> bool:
-        return self.node.status is Status.SERVING and self.models_known and not self.ejected
-
-    @property
-    def admits(self) -> bool:
-        """Takes a request now: not ejected, awake, not busy, and on probation only while it has none in flight."""
-        if self.ejected or self.asleep or (self.probation and self.in_flight):
-            return False
-        return not self.busy_until or time.monotonic() >= self.busy_until
-
-
-def entry_key(node: Node) -> str:
-    return node.key if node.key is not None else f"{node.source.value}:{node.role.value}/{node.node_id}"
+DEMAND_WINDOW = 60.0
+"""Seconds a model counts as in demand after a request asked for it: its nodes' background work comes first."""
 
 
 class Pool:
-    """All nodes known to this replica. ``version`` changes whenever the set or a node's routability does."""
+    """All nodes known to this replica. ``version`` changes whenever the set or a node's routability does.
+
+    Every change costs in proportion to the nodes it touches, never to the pool's size: the candidates of each
+    (role, model) and the routable nodes are kept up to date node by node, a batch of events counts as one
+    change, and a background worker learns of a node through ``on_node`` (called for that node only)."""
 
     def __init__(self) -> None:
         self._entries: dict[str, NodeState] = {}
-        self._index: dict[tuple[Role, str], tuple[NodeState, ...]] | None = None
-        self._listeners: list[Callable[[], None]] = []
+        self._index: dict[tuple[Role, str], dict[str, NodeState]] = {}
+        self._routable: dict[str, NodeState] = {}
+        self._ejected: dict[str, NodeState] = {}
+        self._model_nodes: dict[str, int] = {}
+        """Routable nodes per model name."""
+        self._listeners: list[Callable[[NodeState], None]] = []
+        self._demand_listeners: list[Callable[[str], None]] = []
+        self._asked_at: dict[str, float] = {}
         self.version = 0
 
     # -- changes -------------------------------------------------------------------------------------------
 
-    def on_change(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` after every change (the model prober waits on it)."""
+    def on_node(self, listener: Callable[[NodeState], None]) -> None:
+        """Call ``listener(state)`` for a node that was added, or whose record, models or routability changed."""
         self._listeners.append(listener)
+
+    def on_demand(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(model)`` when a model is asked for after ``DEMAND_WINDOW`` seconds without a request."""
+        self._demand_listeners.append(listener)
 
     def _changed(self) -> None:
         self.version += 1
-        self._index = None
+
+    def _unindex(self, state: NodeState) -> None:
+        key = state.entry_key
+        for name in state.models:
+            nodes = self._index.get((state.node.role, name))
+            if nodes is not None and nodes.pop(key, None) is not None and not nodes:
+                del self._index[(state.node.role, name)]
+        if self._routable.pop(key, None) is not None:
+            for name in state.models:
+                left = self._model_nodes.get(name, 0) - 1
+                if left > 0:
+                    self._model_nodes[name] = left
+                else:
+                    self._model_nodes.pop(name, None)
+        self._ejected.pop(key, None)
+
+    def _reindex(self, state: NodeState) -> None:
+        """Put ``state`` (already un-indexed, and still in the pool) back where it now belongs; tell listeners."""
+        key = state.entry_key
+        if state.node.status is Status.SERVING and state.models_known:
+            for name in state.models:
+                self._index.setdefault((state.node.role, name), {})[key] = state
+        if state.routable:
+            self._routable[key] = state
+            for name in state.models:
+                self._model_nodes[name] = self._model_nodes.get(name, 0) + 1
+        if state.ejected:
+            self._ejected[key] = state
         for listener in self._listeners:
-            listener()
+            listener(state)
 
     def apply(self, event: PoolEvent) -> None:
         """Apply one discovery event. Snapshots replace every node that came from etcd."""
-        if isinstance(event, Snapshot):
-            fresh = {entry_key(n): n for n in event.nodes}
-            for key in [k for k, s in self._entries.items() if s.node.key is not None and k not in fresh]:
-                del self._entries[key]
-            for node in event.nodes:
-                self._upsert(node)
-        elif isinstance(event, Upsert):
-            self._upsert(event.node)
-        elif isinstance(event, Remove):
-            self._entries.pop(event.key, None)
+        self.apply_all((event,))
+
+    def apply_all(self, events: Iterable[PoolEvent]) -> None:
+        """Apply discovery's events in order (one watch response's), as one change."""
+        for event in events:
+            if isinstance(event, Snapshot):
+                fresh = {entry_key(n) for n in event.nodes}
+                for key in [k for k, s in self._entries.items() if s.node.key is not None and k not in fresh]:
+                    self._drop(key)
+                for node in event.nodes:
+                    self._upsert(node)
+            elif isinstance(event, Upsert):
+                self._upsert(event.node)
+            elif isinstance(event, Remove):
+                self._drop(event.key)
         self._changed()
 
     def add(self, node: Node) -> bool:
@@ -138,26 +114,46 @@ class Pool:
         return True
 
     def remove(self, state: NodeState) -> None:
-        self._entries.pop(state.entry_key, None)
+        if self._entries.get(state.entry_key) is state:
+            self._drop(state.entry_key)
         self._changed()
+
+    def _drop(self, key: str) -> None:
+        state = self._entries.pop(key, None)
+        if state is not None:
+            self._unindex(state)
 
     def _upsert(self, node: Node) -> None:
         key = entry_key(node)
         old = self._entries.get(key)
-        if old is not None and old.node.url == node.url:
-            # Same server: keep counters and learned models so a status flip does not reset them.
-            old.node = node
-            return
-        self._entries[key] = NodeState(node=node)
+        if old is not None and old.node == node:
+            return  # a put that changed nothing (a registrar's re-put, a re-list)
+        if old is not None:
+            self._unindex(old)
+            if old.node.url == node.url:
+                # Same server: keep counters and learned models so a status flip does not reset them.
+                old.node = node
+                self._reindex(old)
+                return
+        state = self._entries[key] = NodeState(node=node)
+        self._reindex(state)
+
+    def get(self, key: str) -> NodeState | None:
+        """The node with this entry key now (a worker holding a key finds whether its node is still there)."""
+        return self._entries.get(key)
 
     def set_learned_models(self, state: NodeState, models: Iterable[str], cards: Iterable[ModelCard] = ()) -> None:
         """Record what GET /v1/models answered for a node whose record names no models."""
         state.learned_cards = {card["id"]: card for card in cards}
         learned = tuple(dict.fromkeys(models))
         if state.learned_models != learned or not state.learned:
+            current = self._entries.get(state.entry_key) is state
+            if current:
+                self._unindex(state)
             state.learned_models = learned
             state.learned = True
-            if self._entries.get(state.entry_key) is state:
+            if current:
+                self._reindex(state)
                 self._changed()
 
     # -- what others saw of a node (the one place NodeState is written) ---------------------------------------
@@ -204,8 +200,13 @@ class Pool:
     def set_ejected(self, state: NodeState, ejected: bool) -> None:
         """Take a node out of this replica's routing, or put it back."""
         if state.ejected != ejected:
+            current = self._entries.get(state.entry_key) is state
+            if current:
+                self._unindex(state)
             state.ejected = ejected
-            self._changed()
+            if current:
+                self._reindex(state)
+                self._changed()
 
     # -- queries ------------------------------------------------------------------------------------------
 
@@ -228,21 +229,36 @@ class Pool:
         return found
 
     def candidates(self, role: Role, model: str) -> list[NodeState]:
-        """Routable nodes of ``role`` serving ``model`` (serving, models known, not ejected)."""
-        if self._index is None:
-            index: dict[tuple[Role, str], list[NodeState]] = {}
-            for state in self._entries.values():
-                if state.node.status is Status.SERVING and state.models_known:
-                    for name in state.models:
-                        index.setdefault((state.node.role, name), []).append(state)
-            self._index = {k: tuple(v) for k, v in index.items()}
-        return [s for s in self._index.get((role, model), ()) if s.admits]
+        """Routable nodes of ``role`` serving ``model`` (serving, models known, not ejected). A request asks this,
+        so it also marks ``model`` as in demand (see ``in_demand``) when some node serves it."""
+        nodes = self._index.get((role, model))
+        if not nodes:
+            return []  # a name no node serves is not remembered: clients cannot grow the table
+        now = time.monotonic()
+        last = self._asked_at.get(model)
+        self._asked_at[model] = now
+        if last is None or now - last > DEMAND_WINDOW:
+            for listener in self._demand_listeners:
+                listener(model)
+        return [s for s in nodes.values() if s.admits]
+
+    def serving(self, model: str) -> list[NodeState]:
+        """Every node of any role that would serve ``model`` if it were not ejected (no demand recorded)."""
+        return [s for role in Role for s in self._index.get((role, model), {}).values()]
+
+    def in_demand(self, state: NodeState, window: float = DEMAND_WINDOW) -> bool:
+        """Whether a request asked for one of the node's models within ``window`` seconds."""
+        now = time.monotonic()
+        return any(now - self._asked_at.get(m, -math.inf) <= window for m in state.models)
+
+    def routable(self) -> Collection[NodeState]:
+        """The routable nodes, kept up to date (a view: do not hold it across awaits)."""
+        return self._routable.values()
+
+    def ejected(self) -> Collection[NodeState]:
+        """The nodes this replica ejected (a view)."""
+        return self._ejected.values()
 
     def models(self) -> list[str]:
         """Models served by at least one routable node, sorted."""
-        names = {m for s in self._entries.values() if s.routable for m in s.models}
-        return sorted(names)
-
-    def needs_models(self) -> list[NodeState]:
-        """Nodes whose models must be learned from GET /v1/models."""
-        return [s for s in self._entries.values() if not s.node.models]
+        return sorted(self._model_nodes)

@@ -2,7 +2,7 @@
 
 A node is not routable until its GET /v1/models has answered once; after that it is re-asked every
 ``refresh`` seconds so a node that starts serving another model is picked up. A node that does not answer
-is retried with a growing back-off, capped at ``refresh``.
+is retried with a growing back-off, capped at ``refresh``. All of it within a total rate (``PROBE_RATE``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,19 @@ import httpx
 
 from vllm_etcd_proxy.fleet.vllm import ModelCard, parse_model_cards
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.discovery.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
+PROBE_RATE = 20.0
+"""Probes a second at most, however many nodes there are (about 1 ms of CPU each through httpx)."""
+ROUTINE_PROBE_RATE = 10.0
+"""Of which at most this many for refreshes, and for new nodes that did not answer their first few probes."""
+EAGER_BACKOFF = 0.25
+"""A new node is probed first (urgent) while its back-off is this short: its first 2 probes, 0.25 s apart; then
+it waits its back-off among the routine turns (a bare key written before its node is up)."""
+PARALLEL_PROBES = 8
 
 
 async def fetch_models(
@@ -31,45 +40,57 @@ async def fetch_models(
 
 
 class ModelProber:
-    """Background task keeping learned models current."""
+    """Background workers keeping learned models current, at most ``rate`` probes a second in all: nodes not yet
+    routable first, while they answer or are new (see ``Schedule``)."""
 
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, refresh: float, headers: dict[str, str] | None = None):
+    def __init__(self, pool: Pool, client: httpx.AsyncClient, refresh: float, headers: dict[str, str] | None = None,
+                 *, rate: float = PROBE_RATE, routine_rate: float = ROUTINE_PROBE_RATE) -> None:  # fmt: skip
         self._pool = pool
         self._client = client
         self._refresh = refresh
         self._headers = headers
-        self._due: dict[int, tuple[float, float]] = {}  # id(state) -> (next probe time, current back-off)
-        self._wake = asyncio.Event()
-        pool.on_change(self._wake.set)
+        self._backoff: dict[str, float] = {}
+        self._schedule = Schedule(rate, routine_rate=routine_rate)
+        pool.on_node(self._noticed)
+
+    def _noticed(self, state: NodeState) -> None:
+        key = state.entry_key
+        if not state.node.models and key not in self._schedule:
+            self._schedule.put(key, time.monotonic(), urgent=not state.learned)
 
     async def run(self) -> None:
-        while True:
-            self._wake.clear()
-            now = time.monotonic()
-            states = self._pool.needs_models()
-            live = {id(s) for s in states}
-            self._due = {k: v for k, v in self._due.items() if k in live}
-            due = [s for s in states if self._due.get(id(s), (0.0, 0.0))[0] <= now]
-            if due:
-                await asyncio.gather(*(self._probe(s) for s in due))
-            next_at = min((self._due[id(s)][0] for s in states if id(s) in self._due), default=now + self._refresh)
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=max(0.05, next_at - time.monotonic()))
-            except TimeoutError:
-                pass
+        for state in self._pool.all():  # nodes that came before this task started
+            self._noticed(state)
+        await asyncio.gather(*(self._work() for _ in range(PARALLEL_PROBES)))
 
-    async def _probe(self, state: NodeState) -> None:
-        _, backoff = self._due.get(id(state), (0.0, 0.0))
+    async def _work(self) -> None:
+        while True:
+            key = await self._schedule.next()
+            state = self._pool.get(key)
+            if state is None or state.node.models:  # gone, or its record names its models now
+                self._schedule.refund()
+                self._backoff.pop(key, None)
+                continue
+            answered = await self._probe(state)
+            if self._pool.get(key) is not state:
+                continue  # replaced meanwhile: the new node was scheduled when it came
+            if answered:
+                self._backoff.pop(key, None)
+                self._schedule.put(key, time.monotonic() + self._refresh)
+            else:
+                backoff = self._backoff[key] = min(self._refresh, max(0.25, 2 * self._backoff.get(key, 0.0)))
+                urgent = not state.learned and backoff <= EAGER_BACKOFF
+                self._schedule.put(key, time.monotonic() + backoff, urgent=urgent, trial=not urgent)
+
+    async def _probe(self, state: NodeState) -> bool:
         try:
             cards = await fetch_models(self._client, state.node.url, self._headers)
         except (httpx.HTTPError, ValueError) as exc:
-            backoff = min(self._refresh, max(0.25, backoff * 2))
-            self._due[id(state)] = (time.monotonic() + backoff, backoff)
             if not state.learned:
                 log.info("node not answering /v1/models yet node=%s error=%s", state.node.node_id, type(exc).__name__)
-            return
-        self._due[id(state)] = (time.monotonic() + self._refresh, 0.0)
+            return False
         models = tuple(card["id"] for card in cards)
         if not state.learned:
             log.info("learned models node=%s models=%s", state.node.node_id, ",".join(models))
         self._pool.set_learned_models(state, models, cards)
+        return True

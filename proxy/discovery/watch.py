@@ -2,7 +2,8 @@
 
 Three layers, as in kopf's watching: ``run`` is a forever loop with capped, jittered back-off;
 ``_list`` and ``_watch`` turn etcd's answers into ``PoolEvent``s; ``EtcdClient.watch_prefix`` reads one
-response at a time under an inactivity timeout. A broken stream resumes from the last revision + 1 without
+response at a time under an inactivity timeout (``dead_after``: the stream asks etcd for progress, so
+silence means a dead connection, e.g. a silent partition). A broken stream resumes from the last revision + 1 without
 re-listing; a compaction, or an etcd whose revision went backwards (lost or restored data), forces a re-list
 whose ``Snapshot`` replaces the pool and so applies the deletes the watch missed.
 """
@@ -13,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 
 BACKOFF_START = 0.1
 """Seconds before the first retry; doubles up to ``backoff_max``."""
+BACKOFF_MAX = 2.0
+"""Longest pause between attempts. It counts from the start of the failed attempt, so an attempt that timed out
+after ``dead_after`` s is retried at once: after a partition heals the watch is back within ``dead_after`` s."""
 
 
 class _Relist(Exception):
@@ -63,16 +67,17 @@ class _Claims:
 
 
 class Discovery:
-    """Keeps the pool in step with ``layout.cluster_prefix`` in etcd by calling ``apply`` with pool events."""
+    """Keeps the pool in step with ``layout.cluster_prefix`` in etcd by calling ``apply`` with pool events, once
+    per etcd response (a burst of registrations arrives as a few responses of many events each)."""
 
     def __init__(
         self,
         client: EtcdClient,
         layout: KeyLayout,
-        apply: Callable[[PoolEvent], None],
+        apply: Callable[[Sequence[PoolEvent]], None],
         state: DiscoveryState,
         *,
-        backoff_max: float = 5.0,
+        backoff_max: float = BACKOFF_MAX,
     ) -> None:
         self._client = client
         self._layout = layout
@@ -90,6 +95,7 @@ class Discovery:
         state.enabled = True
         relist = True
         while True:
+            started = asyncio.get_running_loop().time()
             try:
                 if relist:
                     await self._list()
@@ -113,7 +119,8 @@ class Discovery:
             self._broken = True
             self._failures += 1
             delay = min(self._backoff_max, BACKOFF_START * 2 ** (self._failures - 1))
-            await asyncio.sleep(random.uniform(delay / 2, delay))
+            elapsed = asyncio.get_running_loop().time() - started
+            await asyncio.sleep(max(0.0, random.uniform(delay / 2, delay) - elapsed))
 
     async def _list(self) -> None:
         state = self._state
@@ -134,7 +141,7 @@ class Discovery:
                 state.invalid_total += 1
                 log.warning("ignoring invalid etcd record key=%r reason=%s", key, reason)
         state.invalid_records = invalid
-        self._apply(Snapshot(nodes=tuple(nodes), revision=revision))
+        self._apply([Snapshot(nodes=tuple(nodes), revision=revision)])
         state.revision, state.synced, state.endpoint = revision, True, self._client.current_endpoint
         log.info(
             "etcd listed prefix=%s nodes=%d invalid=%d revision=%d endpoint=%s resync=%s",
@@ -166,17 +173,20 @@ class Discovery:
             log.info("etcd watching prefix=%s from_revision=%d endpoint=%s",
                      self._layout.cluster_prefix, start, state.endpoint)  # fmt: skip
             return
+        out: list[PoolEvent] = []
         for event in batch.events:
-            self._apply_event(event.type, event.kv)
+            self._apply_event(event.type, event.kv, out)
+        if out:
+            self._apply(out)
         state.revision = max(state.revision, batch.revision)
 
-    def _apply_event(self, kind: EventType, kv: KeyValue) -> None:
+    def _apply_event(self, kind: EventType, kv: KeyValue, out: list[PoolEvent]) -> None:
         state = self._state
         key = kv.key.decode("utf-8", "replace")  # a non-UTF-8 key is never a node; parse() says so
         if kind is EventType.DELETE:
             state.invalid_records.pop(key, None)
-            self._apply(Remove(key=key, revision=kv.mod_revision))
-            self._promote(key, kv.mod_revision)
+            out.append(Remove(key=key, revision=kv.mod_revision))
+            self._promote(key, kv.mod_revision, out)
             return
         parsed = self._parse(kv)
         shadowed = False
@@ -184,23 +194,23 @@ class Discovery:
             parsed, shadowed = _duplicate(parsed, owner), True
         if isinstance(parsed, Node):
             state.invalid_records.pop(key, None)
-            self._apply(Upsert(node=parsed, revision=kv.mod_revision))
+            out.append(Upsert(node=parsed, revision=kv.mod_revision))
             return
         state.invalid_total += 1
         state.invalid_records[key] = parsed
         log.warning("ignoring invalid etcd record key=%r reason=%s", key, parsed)
         # A key that held a valid node and now holds garbage must not keep routing to the old node.
-        self._apply(Remove(key=key, revision=kv.mod_revision))
+        out.append(Remove(key=key, revision=kv.mod_revision))
         if not shadowed:
-            self._promote(key, kv.mod_revision)
+            self._promote(key, kv.mod_revision, out)
 
-    def _promote(self, key: str, revision: int) -> None:
+    def _promote(self, key: str, revision: int, out: list[PoolEvent]) -> None:
         """``key`` no longer serves its node id: a shadowed key with the same id takes over."""
         heir = self._claims.release(key)
         if heir is not None and heir.key is not None:
             self._state.invalid_records.pop(heir.key, None)
             log.info("node id now served by key=%r", heir.key)
-            self._apply(Upsert(node=heir, revision=revision))
+            out.append(Upsert(node=heir, revision=revision))
 
     def _parse(self, kv: KeyValue) -> Node | str:
         """The node, or why the key/value is not one."""

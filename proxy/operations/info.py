@@ -65,7 +65,7 @@ def not_ready_reason(lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool
         return "shutting down"
     if discovery.enabled and not discovery.synced:
         return "etcd discovery has not synced yet"
-    if not any(s.routable for s in pool.all()):
+    if not pool.routable():
         return "no routable node"
     return None
 

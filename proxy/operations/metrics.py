@@ -103,10 +103,19 @@ class ProxyMetrics:
             "vllm_proxy_generation_tokens", "Generated tokens of completions answered 200, from the usage the "
             "answer carries (streams only with stream_options.include_usage).", ["model"], registry=registry,
         )  # fmt: skip
+        self.websocket_sessions = Counter(
+            "vllm_proxy_websocket_sessions", "WebSocket connections, by route and how they ended: client_closed, "
+            "node_closed, node_lost (no close frame), or refused before accept (unauthorized, model_not_found, "
+            "no_node, upstream_failed, refused_by_node).", ["route", "outcome"], registry=registry,
+        )  # fmt: skip
+        self.websocket_open = Gauge(
+            "vllm_proxy_websocket_sessions_open", "WebSocket connections relayed right now.", ["route"],
+            registry=registry, multiprocess_mode="livesum",
+        )  # fmt: skip
         # Label lookups take a lock and build tuples; the request path reuses the children it has seen.
         self._children: dict[tuple[object, ...], Any] = {}
 
-    def _child(self, metric: Counter | Histogram, *labels: str) -> Any:
+    def _child(self, metric: Counter | Histogram | Gauge, *labels: str) -> Any:
         key = (metric, *labels)
         child = self._children.get(key)
         if child is None:
@@ -141,6 +150,15 @@ class ProxyMetrics:
 
     def upstream_outcome(self, role: Role, node_id: str, outcome: str) -> None:
         self._child(self.upstream, role.value, node_id, outcome).inc()
+
+    def websocket_opened(self, route: str) -> None:
+        self._child(self.websocket_open, route).inc()
+
+    def websocket_done(self, route: str, outcome: str, *, opened: bool = False) -> None:
+        """A WebSocket connection ended (``opened``: it had been accepted and counted as open)."""
+        self._child(self.websocket_sessions, route, outcome).inc()
+        if opened:
+            self._child(self.websocket_open, route).dec()
 
     def resume(self, outcome: str) -> None:
         self._child(self.resumes, outcome).inc()

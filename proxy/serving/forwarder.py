@@ -162,9 +162,12 @@ class Forwarder:
 
         Returns an ``Upstream`` for a 2xx/4xx answer. When every attempt got an HTTP error answer, returns the
         last one, already read, so the client sees the node's own error. Raises ``ProxyError`` when no node
-        could be tried or none answered at all.
+        could be tried or none answered at all. Nodes in ``avoid`` (the node a resumed stream just failed on)
+        count as tried: the policy picks them only when no other node is left.
         """
-        tried: list[NodeState] = []
+        # A failed node is often the least loaded one (its stalled streams were just released), so without
+        # this a continuation would go straight back to the node that stopped sending.
+        tried: list[NodeState] = list(avoid)
         last_error: ProxyError | None = None
         last_answer: ErrorAnswer | None = None
         for attempt in range(self._attempts):
@@ -234,8 +237,9 @@ class Forwarder:
             log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, status)
             headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
             return ErrorAnswer(status=status, headers=headers, body=body, node_id=node.node_id)
-        # The node answered: that ends probation even before the body (a long generation) is through.
-        self._ejector.success(state)
+        # Headers are no success yet: a wedged engine sends them, then nothing (or breaks the stream). Counting
+        # them would reset the node's failures with every new request, so it would never be ejected again and
+        # probation would end before the node proved anything; the exchange counts when it ends (release).
         return Upstream(self, state, role, response, span)
 
     def _failed(self, state: NodeState, role: Role, outcome: str, span: LegSpan | None, *, failed: bool = True,

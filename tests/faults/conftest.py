@@ -40,7 +40,8 @@ def cluster_fleet(cluster: EtcdCluster, logs_dir: Path) -> Iterator[Fleet]:
 
 @dataclass(frozen=True)
 class EtcdRelay:
-    """A TCP relay in front of the test's etcd: give ``endpoint`` to a process, then ``cut()`` its link."""
+    """A TCP relay in front of the test's etcd: give ``endpoint`` to a process, then ``cut()`` its link (loud) or
+    ``partition()`` it (silent)."""
 
     loop: LoopThread
     relay: TcpRelay
@@ -54,6 +55,13 @@ class EtcdRelay:
 
     def restore(self) -> None:
         self.loop.run(self.relay.restore())
+
+    def partition(self) -> None:
+        """Silently drop every byte from now on; connections stay open (see ``TcpRelay.partition``)."""
+        self.loop.run(self.relay.partition())
+
+    def heal(self) -> None:
+        self.loop.run(self.relay.heal())
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.fleet import Fleet, FleetNode, broken_logged, holds, resumes_counted, resumes_logged
+from tests.faults.fleet import SIM_KNOBS, Fleet, FleetNode, broken_logged, holds, resumes_counted, resumes_logged
 from tests.faults.load import MIXED_MODEL, MODEL, SSE_ERROR, Load, describe, expected_answers, report
 from tests.faults.midstream import AT_ONCE, Burst, Snapshot, differing
 from tests.support.blackhole import Blackhole
@@ -102,10 +102,15 @@ def _busy_and_other(fleet: Fleet, role: str, burst: Burst) -> tuple[FleetNode, F
     """Of the role's two nodes, one generating ``AT_ONCE`` of the burst's streams and 2 of its full answers (the
     victim), and the other (the witness); waits for one to be that busy."""
     pair = [n for n in fleet.nodes if n.role == role][:2]
-    wait_until(lambda: any(burst.busy(n) for n in pair), 15,
-               f"{AT_ONCE} streams and 2 full answers generating on one {role} node")  # fmt: skip
-    victim = next(n for n in pair if burst.busy(n))
-    return victim, next(n for n in pair if n is not victim)
+    busy: list[FleetNode] = []
+
+    def one_busy() -> bool:
+        # The node seen busy is the victim: asking again would delay the fault while its requests run on.
+        busy[:] = [n for n in pair if burst.busy(n)][:1]
+        return bool(busy)
+
+    wait_until(one_busy, 15, f"{AT_ONCE} streams and 2 full answers generating on one {role} node")
+    return busy[0], next(n for n in pair if n is not busy[0])
 
 
 @pytest.mark.parametrize("role", ["decode", "mixed"])
@@ -166,9 +171,14 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
 
 IDLE_TIMEOUT = 1.0
 """--stream-idle-timeout in scenario 10: how long a replica waits on a silent stream before resuming it."""
-HANG_FULL_TOKENS = 150
-"""Tokens of the burst's full answers in scenario 10: ~1.5 s, long enough to be caught generating on the victim,
-well within its --first-byte-timeout (a full answer stuck on the hung node goes whole to another node after it)."""
+HANG_ITL = 0.03
+"""Seconds per token on the decode nodes during scenario 10's burst: its streams last ~6 s. On a busy machine the
+burst's 52 requests take seconds to reach the nodes (the run-time is the CPU's, not the proxy's); at the usual
+10 ms a token the first streams end before the last ones start, and no node ever holds AT_ONCE of them."""
+HANG_FULL_TOKENS = 60
+"""Tokens of the burst's full answers in scenario 10: ~1.8 s at HANG_ITL, long enough to be caught generating on
+the victim, well within its --first-byte-timeout (a full answer stuck on the hung node goes whole to another node
+after it)."""
 HANG_FLAGS = ("--stream-idle-timeout", str(IDLE_TIMEOUT), "--first-byte-timeout", "4")
 
 
@@ -176,31 +186,38 @@ def test_node_hanging_mid_stream_has_its_streams_resumed_after_the_idle_timeout_
     fleet: Fleet, logs_dir: Path
 ) -> None:
     fleet.start(proxy_flags=HANG_FLAGS)
+    decode = [n for n in fleet.nodes if n.role == "decode"]
     with Load([r.url for r in fleet.replicas], stream_max_tokens=LONG_STREAM) as load:
         load.wait_for(20)
+        for node in decode:
+            node.sim.configure(itl=HANG_ITL)
         burst = Burst.spawn(load, fleet.replicas, MODEL, full_tokens=HANG_FULL_TOKENS)
         victim, witness = _busy_and_other(fleet, "decode", burst)
-        at_hang = Snapshot.of(victim)
         # Every generation on the victim stops before its next token, connections open: a wedged engine.
         victim.sim.configure(hang_after_tokens=1)
         hung = time.monotonic()
+        witness.sim.configure(itl=SIM_KNOBS["itl"])
         burst.outcomes()
         load.wait_for(20, after=hung)
     outcomes = load.outcomes()
     by_id = {o.request_id: o for o in outcomes}
     resumes = resumes_logged(fleet.replicas)
     resumed = {r.request_id for r in resumes}
-    # The burst's requests have ~1-2 s to go at the hang: those on the victim cannot have ended on it.
+    on_victim = {r["request_id"]: r for r in victim.sim.requests()}
+    # Caught by the hang: every request on the victim that did not end there. Not a snapshot taken before the hang:
+    # on a busy machine the test's next call reaches the node a second or more later, and a request seen running
+    # may have ended whole in between; one sent to the victim after the hang is caught as well.
+    stuck = [(i, r["stream"]) for i, r in on_victim.items() if r["state"] != "done"]
+    at_hang = Snapshot(streams=frozenset(i for i, st in stuck if st), full=frozenset(i for i, st in stuck if not st))
     must_resume, must_retry = at_hang.streams & set(burst.futures), at_hang.full & set(burst.futures)
     checked = resumed | at_hang.streams | at_hang.full | set(burst.futures)
     expected = expected_answers((witness.sim.url, by_id[i]) for i in checked)
-    on_victim = {r["request_id"]: r for r in victim.sim.requests()}
     report(10, "a decode node hangs mid-stream", outcomes, streams_on_victim=len(at_hang.streams),
            full_on_victim=len(at_hang.full), resumed=len(resumed),
            compared_with_a_healthy_node=len(checked))  # fmt: skip
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
-    assert len(at_hang.streams) >= AT_ONCE, f"only {len(at_hang.streams)} streams on the victim at the hang"
+    assert len(must_resume) >= AT_ONCE, f"only {len(must_resume)} of the burst's streams caught on the victim"
     assert must_resume <= resumed, f"streams not resumed (logs in {logs_dir}): {sorted(must_resume - resumed)}"
     wrong_resumes = [r for r in resumes if r.source != victim.node_id or r.target in (victim.node_id, "")
                      or "stream idle timeout" not in r.reason]  # fmt: skip

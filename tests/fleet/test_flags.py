@@ -60,3 +60,28 @@ def test_the_simulated_node_reads_its_environment_the_same_way() -> None:
     assert settings.models == ("a", "b") and settings.hang is False and settings.ttft == 0.25
     settings = sim_settings(["--model", "c", "--ttft", "0"], {**env, "VLLM_SIM_HANG": "yes"})
     assert settings.models == ("c",) and settings.hang is True and settings.ttft == 0.0
+
+
+def test_both_programs_take_the_silence_bound_and_keepalive_from_flags_or_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proxy = parse_settings(PROXY).etcd
+    registrar = parse_command_line(REGISTRAR)[0].etcd
+    assert proxy is not None and proxy == registrar  # the same defaults in both programs
+    assert (proxy.dead_after, proxy.keepalive_time, proxy.keepalive_timeout) == (3.0, 10.0, 5.0)
+
+    monkeypatch.setenv("VLLM_PROXY_ETCD_DEAD_AFTER", "1.5")
+    monkeypatch.setenv("VLLM_REGISTRAR_ETCD_DEAD_AFTER", "1.5")
+    flags = ["--etcd-keepalive-time", "6", "--etcd-keepalive-timeout", "2"]
+    proxy = parse_settings([*PROXY, *flags]).etcd
+    registrar = parse_command_line([*REGISTRAR, *flags])[0].etcd
+    assert proxy is not None and proxy == registrar
+    assert (proxy.dead_after, proxy.keepalive_time, proxy.keepalive_timeout) == (1.5, 6.0, 2.0)
+
+    with pytest.raises(SystemExit):
+        parse_settings([*PROXY, "--etcd-keepalive-time", "2"])  # etcd would answer GOAWAY too_many_pings
+    assert "keepalive_time" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--etcd-keepalive-time"):
+        parse_command_line([*REGISTRAR, "--etcd-keepalive-time", "2"])
+    with pytest.raises(UsageError, match="--etcd-dead-after"):
+        parse_command_line([*REGISTRAR, "--etcd-dead-after", "0"])

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
-from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, Source, Status
+import pytest
+from google.protobuf import json_format
+
+from vllm_etcd_proxy.fleet.pb import node_record_pb2
+from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, Source, Status, decode_record
 
 LAYOUT = KeyLayout()
 
@@ -71,3 +75,27 @@ def test_refusal_reasons_never_quote_credentials() -> None:
     with pytest.raises(InvalidRecord) as refused:
         LAYOUT.parse(b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "ftp://admin:hunter2@10.0.0.1:8000"}')
     assert "hunter2" not in str(refused.value)
+
+
+RECORDS_BOTH_WAYS = [
+    {"url": "http://10.0.0.5:8100", "role": "decode", "models": ["a", "b"], "status": "draining",
+     "labels": {"zone": "a"}, "version": "1", "registered_at": "2025-01-01T00:00:00Z", "source": "registrar"},
+    {"url": "http://10.0.0.5:8100", "registeredAt": "t", "kvConnector": "nixl"},  # proto3 JSON's camelCase names
+    {"url": "http://10.0.0.5:8100", "models": "a"},  # not a list: json_format's verdict
+    {"url": "http://10.0.0.5:8100", "models": None, "future": {"x": 1}},  # null and an unknown field
+    {"url": "http://10.0.0.5:8100", "version": 3},
+    {"registered_at": "a", "registeredAt": "b"},  # the same field twice
+]
+"""Values a registrar writes (decoded without json_format) and values it does not (decoded by json_format)."""
+
+
+@pytest.mark.parametrize("obj", RECORDS_BOTH_WAYS)
+def test_a_record_decodes_as_json_format_decodes_it(obj: dict[str, object]) -> None:
+    value = json.dumps(obj).encode()
+    try:
+        expected = json_format.ParseDict(obj, node_record_pb2.NodeRecord(), ignore_unknown_fields=True)
+    except json_format.ParseError:
+        with pytest.raises(InvalidRecord):
+            decode_record(value)
+        return
+    assert decode_record(value) == expected

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
@@ -49,9 +49,9 @@ class Recorded:
         self.real = Pool()
         self.events: list[PoolEvent] = []
 
-    def apply(self, event: PoolEvent) -> None:
-        self.events.append(event)
-        self.real.apply(event)
+    def apply(self, events: Sequence[PoolEvent]) -> None:
+        self.events.extend(events)
+        self.real.apply_all(events)
 
     @property
     def nodes(self) -> dict[str, Node]:
@@ -204,7 +204,8 @@ async def test_silently_stopped_etcd_is_detected_and_the_watch_reconnects(etcd: 
         assert etcd.proc is not None
         etcd.proc.signal(signal.SIGSTOP)
         try:
-            await eventually(lambda: not run.state.connected, 20.0, "silent partition detected")
+            # Within dead_after (3 s) of the last answer, not the ~15 s gRPC keepalive pings would take.
+            await eventually(lambda: not run.state.connected, settings.dead_after + 2.0, "silent partition detected")
             assert "UNAVAILABLE" in run.state.last_error or "timed out" in run.state.last_error
         finally:
             etcd.proc.signal(signal.SIGCONT)

@@ -5,6 +5,7 @@ scripted one, so each node's answer is exact."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from tests.support.procs import HOST, free_port
 from vllm_etcd_proxy.proxy.app import ProxyApp, build_app
 from vllm_etcd_proxy.proxy.cli import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed
+from vllm_etcd_proxy.proxy.serving.forwarder import BUSY_HOLD
 from vllm_etcd_proxy.proxy.upstream.transport import UpstreamRequest, UpstreamResponse
 
 MODEL = "m"
@@ -122,15 +124,30 @@ async def test_a_5xx_is_retried_on_another_node_and_counts_against_the_first() -
         assert state[NODE_A]["in_flight"] == state[NODE_B]["in_flight"] == 0
 
 
-@pytest.mark.parametrize("busy", [429, 503])
-async def test_a_busy_node_is_passed_over_but_never_ejected(busy: int) -> None:
-    transport = ScriptedTransport({NODE_A: [Answer(status=busy, chunks=[b"{}"])], NODE_B: [Answer()]})
+async def test_a_node_answering_429_is_passed_over_but_never_ejected() -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(status=429, chunks=[b"{}"])], NODE_B: [Answer()]})
     async with replica(transport, "--eject-after", "1") as url, httpx.AsyncClient(base_url=url) as client:
         for _ in range(6):
             assert (await client.post("/v1/completions", json=completion())).status_code == 200
         state = await workers(client)
-        # A 429 leaves the node in rotation; a 503 holds it for BUSY_HOLD s, so these quick requests try it once.
-        assert transport.calls.count(NODE_A) >= (2 if busy == 429 else 1)
+        assert transport.calls.count(NODE_A) >= 2
+        assert state[NODE_A]["ejected"] is False and state[NODE_A]["consecutive_failures"] == 0
+
+
+async def test_a_node_answering_503_is_held_back_for_a_while_then_tried_again_never_ejected() -> None:
+    transport = ScriptedTransport({NODE_A: [Answer(status=503, chunks=[b"{}"])], NODE_B: [Answer()]})
+    async with replica(transport, "--eject-after", "1") as url, httpx.AsyncClient(base_url=url) as client:
+        started = time.monotonic()
+        for _ in range(6):
+            assert (await client.post("/v1/completions", json=completion())).status_code == 200
+        if time.monotonic() - started < BUSY_HOLD:
+            assert transport.calls.count(NODE_A) == 1  # held back after its 503 (vLLM scaling, say)
+        deadline = time.monotonic() + 10
+        while transport.calls.count(NODE_A) < 2:
+            assert time.monotonic() < deadline, "the node was never tried again after its hold"
+            assert (await client.post("/v1/completions", json=completion())).status_code == 200
+            await asyncio.sleep(0.05)
+        state = await workers(client)
         assert state[NODE_A]["ejected"] is False and state[NODE_A]["consecutive_failures"] == 0
 
 
@@ -215,3 +232,38 @@ async def test_a_broken_stream_goes_on_from_another_node_with_the_rest_of_the_an
         assert transport.calls == [NODE_A, NODE_B]
         continuation = orjson.loads(transport.bodies[1])
         assert continuation["prompt"] == "hello one two" and continuation["max_tokens"] == 1
+
+
+def _stream_of(text: bytes, *, finish: bool) -> list[bytes]:
+    end = b', "finish_reason": "length"' if finish else b""
+    event = b'data: {"id": "cmpl-1", "created": 7, "model": "m", "choices": [{"index": 0, "text": "%s"%s}]}\n\n'
+    return [event % (text, end), *([b"data: [DONE]\n\n"] if finish else [])]
+
+
+async def test_a_broken_stream_is_resumed_on_another_node_even_when_the_policy_prefers_the_failed_one() -> None:
+    # One user: consistent-hash sends the request and its continuation to the same node, unless told to avoid it.
+    broken = Answer(headers=list(SSE), chunks=_stream_of(b" one", finish=False),
+                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    fine = Answer(headers=list(SSE), chunks=_stream_of(b" two", finish=True))
+    transport = ScriptedTransport({NODE_A: [broken, fine], NODE_B: [broken, fine]})
+    body = {**completion(stream=True), "max_tokens": 2, "user": "u1"}
+    async with replica(transport, "--policy", "consistent-hash") as url, httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/completions", json=body)
+        assert answer.content.endswith(b"data: [DONE]\n\n") and b'" one"' in answer.content
+        assert len(transport.calls) == 2 and transport.calls[0] != transport.calls[1]
+
+
+async def test_a_node_whose_streams_all_break_after_their_headers_is_ejected() -> None:
+    # Headers prove nothing (a wedged engine sends them): a node that breaks every stream must not have its
+    # failures reset by each new request's headers.
+    broken = Answer(headers=list(SSE), chunks=_stream_of(b" one", finish=False),
+                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    fine = Answer(headers=list(SSE), chunks=_stream_of(b" two", finish=True))
+    transport = ScriptedTransport({NODE_A: [broken], NODE_B: [fine]})
+    flags = ("--policy", "round-robin", "--eject-after", "2", "--eject-backoff", "60")
+    async with replica(transport, *flags) as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(4):
+            answer = await client.post("/v1/completions", json={**completion(stream=True), "max_tokens": 2})
+            assert answer.content.endswith(b"data: [DONE]\n\n")
+        assert transport.calls.count(NODE_A) == 2, transport.calls
+        assert (await workers(client))[NODE_A]["ejected"] is True

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.procs import wait_until
+from tests.support.procs import free_port, wait_until
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
 from vllm_etcd_proxy.fleet.vllm import read_node_load, read_token_latency
@@ -99,3 +100,26 @@ def test_a_replica_scrapes_each_nodes_load_and_speed_and_lists_them(tmp_path: Pa
 def _send_and_give_up(url: str, body: dict[str, Any]) -> None:
     with contextlib.suppress(httpx.TimeoutException):
         httpx.post(f"{url}/v1/completions", json=body, timeout=3)
+
+
+def test_a_node_that_answers_stays_fresh_among_hundreds_that_refuse(tmp_path: Path) -> None:
+    """300 static nodes on ports where nothing listens, one live node: every scrape of a dead node is refused
+    and backs off, within the routine ceiling, so the live node is still scraped every interval."""
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(300)]
+    with SimNode(tmp_path, "alive") as node:
+        replica = ProxyProc(tmp_path, "--mixed", node.host_port, *dead, "--model", "sim-model",
+                            "--scrape-load", "0.1", "--log-level", "warning")  # fmt: skip
+        try:
+
+            def age() -> float | None:
+                view = next(w for w in replica.workers() if w["id"] == node.host_port)["node_load"]
+                return None if view is None else float(view["age_seconds"])
+
+            wait_until(lambda: age() is not None, 10, "a first scrape of the live node")
+            ages = []
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:  # observing over a span, not waiting for an event
+                ages.append(age())
+            assert max(a for a in ages if a is not None) < 1.0, ages
+        finally:
+            replica.stop()

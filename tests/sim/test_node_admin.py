@@ -162,3 +162,45 @@ async def test_ping_and_load_answer_as_vllms_and_are_not_recorded(node: SimNode,
     for path in ("/health", "/v1/models", "/is_sleeping", "/metrics", "/version"):
         assert (await client.get(f"{node.url}{path}")).status_code == 200
     assert node.requests() == []
+
+
+async def test_an_aborting_sleep_ends_running_generations_with_finish_reason_abort(
+    node: SimNode, client: httpx.AsyncClient
+) -> None:
+    node.configure(hang_after_tokens=2)
+    try:
+        chunks: list[str] = []
+
+        async def stream() -> None:
+            async with client.stream("POST", f"{node.url}/v1/chat/completions", json={**CHAT, "stream": True,
+                                     "max_tokens": 8}, headers={"x-request-id": "aborted"}) as response:  # fmt: skip
+                chunks.extend([line async for line in response.aiter_lines() if line.startswith("data: ")])
+
+        running = asyncio.ensure_future(stream())
+        await asyncio.to_thread(node.wait_for_request, request_id="aborted", state="hung")
+        node.sleep()  # mode=abort, vLLM's default
+        await asyncio.wait_for(running, 5.0)
+    finally:
+        node.wake_up()
+        node.configure(hang_after_tokens=0)
+    events = [json.loads(c.removeprefix("data: ")) for c in chunks if c != "data: [DONE]"]
+    assert chunks[-1] == "data: [DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, None, None, "abort"]
+    record = node.wait_for_request(request_id="aborted")
+    assert (record["state"], record["completion_tokens"]) == ("aborted", 2)
+
+
+async def test_a_waiting_sleep_lets_running_generations_finish(node: SimNode, client: httpx.AsyncClient) -> None:
+    node.configure(hang_after_tokens=2)
+    try:
+        running = asyncio.ensure_future(client.post(f"{node.url}/v1/chat/completions", json={**CHAT, "max_tokens": 4},
+                                                    headers={"x-request-id": "kept"}))  # fmt: skip
+        await asyncio.to_thread(node.wait_for_request, request_id="kept", state="hung")
+        assert (await client.post(f"{node.url}/sleep", params={"mode": "wait"})).status_code == 200
+        node.configure(hang_after_tokens=0)
+        answer = (await asyncio.wait_for(running, 5.0)).json()
+    finally:
+        node.wake_up()
+        node.configure(hang_after_tokens=0)
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert node.wait_for_request(request_id="kept")["state"] == "done"

@@ -164,7 +164,7 @@ async def test_cancelling_a_background_response_aborts_its_generation(
         node.configure(hang=False)
     assert (cancelled.status_code, cancelled.json()["status"]) == (200, "cancelled")
     assert (await client.get(f"{node.url}/v1/responses/resp_cancel")).json()["status"] == "cancelled"
-    record = node.wait_for_request(id="resp_cancel", path="/v1/responses")
+    record = node.wait_for_request(id="resp_cancel")
     assert record["cancelled"] is True
 
 
@@ -180,6 +180,7 @@ async def test_deleting_a_response_forgets_it(node: SimNode, client: httpx.Async
     await create(client, node, request_id="resp_delete")
     deleted = await client.delete(f"{node.url}/v1/responses/resp_delete")
     assert deleted.json() == {"id": "resp_delete", "object": "response", "deleted": True}
+    assert node.wait_for_request(path="/v1/responses/resp_delete", method="DELETE")["status"] == 200
     assert (await client.get(f"{node.url}/v1/responses/resp_delete")).status_code == 404
     assert (await client.delete(f"{node.url}/v1/responses/resp_delete")).status_code == 404
 
@@ -226,7 +227,7 @@ async def test_websocket_mode_streams_each_response_and_chains_on_the_connection
         warm = await ws_turn(ws, input="warm", generate=False)
         assert [e["type"] for e in warm] == ["response.created", "response.completed"]
     assert (await client.get(f"{node.url}/v1/responses/resp_ws2")).json()["status"] == "completed"
-    one, two = (node.wait_for_request(id=f"resp_ws{i}", method="WEBSOCKET") for i in (1, 2))
+    one, two = (node.wait_for_request(id=f"resp_ws{i}") for i in (1, 2))
     assert two["prompt_tokens"] > one["prompt_tokens"] + one["completion_tokens"] and two["cached_tokens"] > 0
     session = await asyncio.to_thread(node.wait_for_request, request_id="ws-mode", state="closed", path="/v1/responses",
                                       id="")  # fmt: skip

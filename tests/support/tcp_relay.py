@@ -1,4 +1,16 @@
-"""A TCP relay on loopback that a test can cut and restore: a network partition between a client and etcd."""
+"""A TCP relay on loopback that a test can break, between a client and etcd: a network partition.
+
+    relay = TcpRelay(etcd.client_port)
+    await relay.start()            # relay.endpoint forwards to etcd
+    await relay.cut()              # loud: every connection reset, new ones refused
+    await relay.restore()
+    await relay.partition()        # silent: bytes dropped both ways, connections stay open, new ones accepted
+    await relay.heal()             # bytes flow again (what was dropped stays lost)
+
+``partition()`` is what a failed switch, a security-group change or a half-dead NAT does: nobody learns
+anything from the network, only from silence. Bytes are discarded, not held back, so a connection that lost
+bytes is garbage after ``heal()``: a client has to open a new one.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +21,16 @@ from tests.support.procs import HOST, free_port
 
 
 class TcpRelay:
-    """Forwards ``127.0.0.1:port`` to ``target``. ``cut()`` drops every connection and refuses new ones."""
+    """Forwards ``127.0.0.1:port`` to ``127.0.0.1:target_port``."""
 
     def __init__(self, target_port: int):
         self.target_port = target_port
         self.port = free_port()
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._dropping = False
+        self.dropped = 0
+        """Bytes thrown away while partitioned (both directions)."""
 
     @property
     def endpoint(self) -> str:
@@ -36,6 +51,13 @@ class TcpRelay:
 
     restore = start
 
+    async def partition(self) -> None:
+        """From now on drop every byte, both ways, on old and new connections alike; close nothing."""
+        self._dropping = True
+
+    async def heal(self) -> None:
+        self._dropping = False
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(HOST, self.target_port)
@@ -48,6 +70,9 @@ class TcpRelay:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             while data := await reader.read(65536):
+                if self._dropping:
+                    self.dropped += len(data)
+                    continue
                 writer.write(data)
                 await writer.drain()
         writer.transport.abort()
