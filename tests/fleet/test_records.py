@@ -78,12 +78,12 @@ def test_refusal_reasons_never_quote_credentials() -> None:
 
 
 RECORDS_BOTH_WAYS = [
-    {"url": "http://10.0.0.5:8100", "role": "decode", "models": ["a", "b"], "status": "draining",
+    {"url": "http://127.0.0.5:8100", "role": "decode", "models": ["a", "b"], "status": "draining",
      "labels": {"zone": "a"}, "version": "1", "registered_at": "2025-01-01T00:00:00Z", "source": "registrar"},
-    {"url": "http://10.0.0.5:8100", "registeredAt": "t", "kvConnector": "nixl"},  # proto3 JSON's camelCase names
-    {"url": "http://10.0.0.5:8100", "models": "a"},  # not a list: json_format's verdict
-    {"url": "http://10.0.0.5:8100", "models": None, "future": {"x": 1}},  # null and an unknown field
-    {"url": "http://10.0.0.5:8100", "version": 3},
+    {"url": "http://127.0.0.5:8100", "registeredAt": "t", "kvConnector": "nixl"},  # proto3 JSON's camelCase names
+    {"url": "http://127.0.0.5:8100", "models": "a"},  # not a list: json_format's verdict
+    {"url": "http://127.0.0.5:8100", "models": None, "future": {"x": 1}},  # null and an unknown field
+    {"url": "http://127.0.0.5:8100", "version": 3},
     {"registered_at": "a", "registeredAt": "b"},  # the same field twice
 ]
 """Values a registrar writes (decoded without json_format) and values it does not (decoded by json_format)."""

@@ -10,7 +10,7 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 def node(i: int, *, role: Role = Role.MIXED, models: tuple[str, ...] = ("m",), status: Status = Status.SERVING,
          port: int = 1) -> Node:  # fmt: skip
     """Node ``i``; another ``port`` is another server under the same key."""
-    host = f"10.0.{i // 250}.{i % 250}"
+    host = f"127.0.{i // 250}.{i % 250}"  # the pool does no I/O: nothing is contacted
     return Node(node_id=f"{host}:{port}", role=role, url=f"http://{host}:{port}", models=models, status=status,
                 key=f"/vllm/default/{role.value}/{host}:1", learn_models=not models)  # fmt: skip
 
@@ -63,7 +63,7 @@ def test_listeners_hear_only_of_the_nodes_a_batch_touched() -> None:
     heard: list[NodeState] = []
     pool.on_node(heard.append)
     pool.apply_all([Upsert(node=node(1001), revision=2)])
-    assert [s.node.node_id for s in heard] == ["10.0.4.1:1"]
+    assert [s.node.node_id for s in heard] == ["127.0.4.1:1"]
     heard.clear()
     pool.apply_all([Upsert(node=node(1001), revision=3)])  # a re-put that changed nothing
     assert heard == []
