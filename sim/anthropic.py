@@ -24,10 +24,9 @@ from starlette.routing import Route
 from vllm_etcd_proxy.sim import protocol, tokens
 from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
-from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
 from vllm_etcd_proxy.sim.record import Job
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record
-from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
+from vllm_etcd_proxy.sim.sse import SSEResponse, answer_whole
 from vllm_etcd_proxy.sim.wire import DONE_EVENT
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
@@ -92,15 +91,7 @@ async def messages(request: Request) -> Response:
             "usage": {"input_tokens": len(prompt), "output_tokens": len(out)},
         })  # fmt: skip
 
-    try:
-        response = await until_disconnect(collect(), request.receive)
-    except ClientGone:
-        response = Response(status_code=CLIENT_CLOSED)
-    except ApiError as exc:
-        response = anthropic_error(exc)
-    record.status = response.status_code
-    engine.log(record)
-    return response
+    return await answer_whole(engine, record, collect(), request.receive, on_error=anthropic_error)
 
 
 async def _stream(engine: Engine, job: Job, model: str, start: Callable[[], Awaitable[None]]) -> AsyncGenerator[str]:

@@ -37,12 +37,12 @@ from vllm_etcd_proxy.sim import (
 from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.metrics import make_registry
-from vllm_etcd_proxy.sim.middleware import ApiKey, ClientGone, NodeHeader, Scaling, until_disconnect
+from vllm_etcd_proxy.sim.middleware import ApiKey, NodeHeader, Scaling
 from vllm_etcd_proxy.sim.protocol import GenRequest, Kind
 from vllm_etcd_proxy.sim.record import Job
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record, raw_body
 from vllm_etcd_proxy.sim.settings import SimSettings
-from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
+from vllm_etcd_proxy.sim.sse import SSEResponse, answer_whole
 from vllm_etcd_proxy.sim.wire import DONE_EVENT, Wire, model_list, usage
 
 
@@ -90,15 +90,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         body = wire.full(generated, job.finished_as, usage(req.prompt_tokens, len(generated)), kv)
         return JSONResponse(body, headers=headers)
 
-    try:
-        response = await until_disconnect(collect(), request.receive)
-    except ClientGone:
-        response = Response(status_code=CLIENT_CLOSED)
-    except ApiError as exc:
-        response = JSONResponse(exc.body(), status_code=exc.status)
-    record.status = response.status_code
-    engine.log(record)
-    return response
+    return await answer_whole(engine, record, collect(), request.receive)
 
 
 async def _events(

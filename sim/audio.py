@@ -32,10 +32,9 @@ from starlette.routing import Route
 from vllm_etcd_proxy.sim import protocol, tokens
 from vllm_etcd_proxy.sim.engine import Engine
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
-from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
 from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.recording import engine_of, media_type, new_record, raw_body
-from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED, SSEResponse
+from vllm_etcd_proxy.sim.sse import SSEResponse, answer_whole
 from vllm_etcd_proxy.sim.wire import DONE_EVENT
 
 BYTES_PER_SECOND = 16000 * 2
@@ -111,15 +110,7 @@ async def _speech_to_text(request: Request, task: str) -> Response:
         usage = {"usage": {"type": "duration", "seconds": seconds}} if task == "transcribe" else {}
         return JSONResponse({"text": text, **usage})
 
-    try:
-        response = await until_disconnect(collect(), request.receive)
-    except ClientGone:
-        response = Response(status_code=CLIENT_CLOSED)
-    except ApiError as exc:
-        response = JSONResponse(exc.body(), status_code=exc.status)
-    record.status = response.status_code
-    engine.log(record)
-    return response
+    return await answer_whole(engine, record, collect(), request.receive)
 
 
 async def _stream(

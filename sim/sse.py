@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from vllm_etcd_proxy.sim.engine import Engine
+from vllm_etcd_proxy.sim.errors import ApiError
 from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
 from vllm_etcd_proxy.sim.record import Record
 
@@ -60,3 +61,21 @@ class SSEResponse(Response):
             if not started:
                 self.record.status = CLIENT_CLOSED
             self.engine.log(self.record)
+
+
+async def answer_whole(
+    engine: Engine, record: Record, collect: Awaitable[Response], receive: Receive,
+    on_error: Callable[[ApiError], Response] | None = None,
+) -> Response:
+    """A non-streamed answer: ``collect`` runs until done or the client leaves (recorded as 499, as vLLM aborts
+    the request); an ``ApiError`` it raises is the answer (``on_error`` renders it, vLLM's JSON by default)."""
+    try:
+        response = await until_disconnect(collect, receive)
+    except ClientGone:
+        response = Response(status_code=CLIENT_CLOSED)
+    except ApiError as exc:
+        response = on_error(exc) if on_error is not None else JSONResponse(exc.body(), status_code=exc.status)
+    record.status = response.status_code
+    engine.log(record)
+    return response
+

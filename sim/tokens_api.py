@@ -20,10 +20,9 @@ from starlette.routing import Route
 
 from vllm_etcd_proxy.sim import protocol, tokens
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
-from vllm_etcd_proxy.sim.middleware import ClientGone, until_disconnect
 from vllm_etcd_proxy.sim.record import Job
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record
-from vllm_etcd_proxy.sim.sse import CLIENT_CLOSED
+from vllm_etcd_proxy.sim.sse import answer_whole
 from vllm_etcd_proxy.sim.wire import usage
 
 
@@ -75,15 +74,7 @@ async def generate(request: Request) -> Response:
             "kv_transfer_params": None,
         })  # fmt: skip
 
-    try:
-        response = await until_disconnect(collect(), request.receive)
-    except ClientGone:
-        response = Response(status_code=CLIENT_CLOSED)
-    except ApiError as exc:
-        response = JSONResponse(exc.body(), status_code=exc.status)
-    record.status = response.status_code
-    engine.log(record)
-    return response
+    return await answer_whole(engine, record, collect(), request.receive)
 
 
 async def tokenizer_info(request: Request) -> Response:
