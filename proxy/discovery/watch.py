@@ -14,7 +14,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EventType, KeyValue, WatchBatch
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node
@@ -27,6 +28,25 @@ BACKOFF_START = 0.1
 BACKOFF_MAX = 2.0
 """Longest pause between attempts. It counts from the start of the failed attempt, so an attempt that timed out
 after ``dead_after`` s is retried at once: after a partition heals the watch is back within ``dead_after`` s."""
+
+
+class KeySink(Protocol):
+    """Takes the keys of one folder under the cluster prefix that are not nodes (``adapters/``, ``keys/``, ...).
+
+    ``name`` is the rest of the key after ``{cluster_prefix}{folder}/``. A value the sink cannot use is answered
+    with the reason, which discovery logs and counts as it does an invalid node record."""
+
+    def replace(self, entries: Mapping[str, bytes]) -> Mapping[str, str]:
+        """Every entry of the folder after a (re-)list; returns name -> reason for the invalid ones."""
+        ...
+
+    def put(self, name: str, value: bytes) -> str | None:
+        """One key was put; None when valid, else the reason it is ignored."""
+        ...
+
+    def delete(self, name: str) -> None:
+        """One key was deleted (by hand or by lease expiry)."""
+        ...
 
 
 class _Relist(Exception):
@@ -77,6 +97,7 @@ class Discovery:
         apply: Callable[[Sequence[PoolEvent]], None],
         state: DiscoveryState,
         *,
+        sinks: Mapping[str, KeySink] | None = None,
         backoff_max: float = BACKOFF_MAX,
     ) -> None:
         self._client = client
@@ -88,6 +109,7 @@ class Discovery:
         self._broken = False
         self._claims = _Claims()
         self._failures = 0
+        self._sinks = dict(sinks or {})
 
     async def run(self) -> None:
         """Watch until cancelled; etcd errors only delay the next attempt."""
@@ -126,16 +148,23 @@ class Discovery:
         state = self._state
         revision, kvs = await self._client.get_prefix(self._layout.cluster_prefix)
         nodes, invalid = list[Node](), dict[str, str]()
+        folders: dict[str, dict[str, bytes]] = {folder: {} for folder in self._sinks}
         self._claims = _Claims()
         for kv in sorted(kvs, key=lambda kv: kv.create_revision):
-            parsed = self._parse(kv)
             key = kv.key.decode("utf-8", "replace")
+            if (target := self._folder(key)) is not None:
+                folders[target[0]][target[1]] = kv.value
+                continue
+            parsed = self._parse(kv)
             if isinstance(parsed, Node) and (owner := self._claims.claim(key, parsed)) is not None:
                 parsed = _duplicate(parsed, owner)
             if isinstance(parsed, Node):
                 nodes.append(parsed)
             else:
                 invalid[key] = parsed
+        for folder, entries in folders.items():
+            for name, reason in self._sinks[folder].replace(entries).items():
+                invalid[self._sink_key(folder, name)] = reason
         for key, reason in invalid.items():
             if state.invalid_records.get(key) != reason:
                 state.invalid_total += 1
@@ -183,6 +212,9 @@ class Discovery:
     def _apply_event(self, kind: EventType, kv: KeyValue, out: list[PoolEvent]) -> None:
         state = self._state
         key = kv.key.decode("utf-8", "replace")  # a non-UTF-8 key is never a node; parse() says so
+        if (target := self._folder(key)) is not None:
+            self._sink_event(kind, key, target, kv.value)
+            return
         if kind is EventType.DELETE:
             state.invalid_records.pop(key, None)
             out.append(Remove(key=key, revision=kv.mod_revision))
@@ -211,6 +243,32 @@ class Discovery:
             self._state.invalid_records.pop(heir.key, None)
             log.info("node id now served by key=%r", heir.key)
             out.append(Upsert(node=heir, revision=revision))
+
+    def _folder(self, key: str) -> tuple[str, str] | None:
+        """(folder, name) when ``key`` belongs to a sink's folder, else None (a node key, or garbage)."""
+        if not self._sinks:
+            return None
+        folder, sep, name = key[len(self._layout.cluster_prefix) :].partition("/")
+        if sep and name and folder in self._sinks and key.startswith(self._layout.cluster_prefix):
+            return folder, name
+        return None
+
+    def _sink_key(self, folder: str, name: str) -> str:
+        return f"{self._layout.cluster_prefix}{folder}/{name}"
+
+    def _sink_event(self, kind: EventType, key: str, target: tuple[str, str], value: bytes) -> None:
+        state, sink = self._state, self._sinks[target[0]]
+        if kind is EventType.DELETE:
+            state.invalid_records.pop(key, None)
+            sink.delete(target[1])
+            return
+        reason = sink.put(target[1], value)
+        if reason is None:
+            state.invalid_records.pop(key, None)
+            return
+        state.invalid_total += 1
+        state.invalid_records[key] = reason
+        log.warning("ignoring invalid etcd record key=%r reason=%s", key, reason)
 
     def _parse(self, kv: KeyValue) -> Node | str:
         """The node, or why the key/value is not one."""
