@@ -137,7 +137,7 @@ class PromptTokens:
         )  # fmt: skip
         self._cache = PrefixIds(cache_tokens)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-load")
-        self._resolved: dict[str, tuple[str | None, float]] = {}
+        self._resolved: dict[str, tuple[str | None, tuple[tuple[Any, Any], ...], float]] = {}
         self._loads: dict[str, Future[Loaded]] = {}
         self._failed: dict[str, float] = {}
         self._warned: set[tuple[str, str]] = set()
@@ -199,8 +199,10 @@ class PromptTokens:
         return ("incremental" if reused else "whole"), ids
 
     def _tokenizer(self, model: str) -> tuple[Loaded | None, str]:
-        source = self._source(model)
+        source, known = self._source(model)
         if source is None:
+            if not known:  # no node has told its models yet, or a model no node serves
+                return None, "no_tokenizer"
             self._warn(model, "none", "no tokenizer (give --tokenizer MODEL=PATH, or serve it from a local "
                        "directory with tokenizer.json); routing by content affinity")  # fmt: skip
             return None, "no_tokenizer"
@@ -217,18 +219,22 @@ class PromptTokens:
             return None, "no_tokenizer"
         return future.result(), ""
 
-    def _source(self, model: str) -> str | None:
+    def _source(self, model: str) -> tuple[str | None, bool]:
+        """The model's tokenizer source, and whether any node gave a card for it."""
         if model in self._sources:
-            return self._sources[model]
+            return self._sources[model], True
+        cards = self._cards(model)
+        seen = tuple((card.get("root"), card.get("parent")) for card in cards)
         now = time.monotonic()
         known = self._resolved.get(model)
-        if known is not None and (known[0] is not None or now - known[1] < RETRY_AFTER):
-            return known[0]
+        # Looked up again when the cards change (a node came or learned its models), or now and then.
+        if known is not None and known[1] == seen and (known[0] is not None or now - known[2] < RETRY_AFTER):
+            return known[0], bool(cards)
         source = _from_cards(model, self._cards)
         if len(self._resolved) >= MAX_MODELS:  # model names come from clients: bound what is remembered
             self._resolved.clear()
-        self._resolved[model] = (source, now)
-        return source
+        self._resolved[model] = (source, seen, now)
+        return source, bool(cards)
 
     def _load(self, source: str) -> Future[Loaded] | None:
         future = self._loads.get(source)

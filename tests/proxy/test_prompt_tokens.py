@@ -3,6 +3,7 @@ directory: the ids the proxy computes are the ids the node reports for the same 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -11,14 +12,18 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
 
 from tests.support.aio import eventually
+from tests.support.procs import HOST, free_port
 from tests.support.sim_node import SimNode
 from vllm_etcd_proxy.fleet.vllm import ModelCard, parse_model_cards
+from vllm_etcd_proxy.proxy.app import build_app
+from vllm_etcd_proxy.proxy.cli import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.routing.tokens import Loaded, PromptTokens, load
 from vllm_etcd_proxy.sim import protocol, vocab
 
@@ -229,3 +234,26 @@ async def test_a_tokenizer_that_restarts_differently_after_a_cut_is_tokenized_wh
             messages = [*messages, {"role": "user", "content": "a"}]
     assert "incremental" not in outcomes(tokens)
     assert any("tokenized whole from now on" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_replica_learns_the_tokenizer_from_its_nodes_model_card(sim: SimNode) -> None:
+    app = build_app(settings_from_args(build_parser().parse_args(["--mixed", sim.host_port])))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_config=None, lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await loaded(app.prompt_tokens)
+        assert app.prompt_tokens.prompt_ids(MODEL, CHATS[1], "chat") == node_tokenize(sim, CHATS[1])
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"http://{HOST}:{port}/metrics")).text
+        assert 'vllm_proxy_prompt_tokenize_total{outcome="whole"}' in metrics
+    finally:
+        server.should_exit = True
+        await task
+
+
+def test_the_tokenizer_flag_takes_model_equals_source() -> None:
+    args = build_parser().parse_args(["--mixed", "127.0.0.1:1", "--tokenizer", "a=/models/a", "--tokenizer", "b=org/b"])
+    assert settings_from_args(args).tokenizers == (("a", "/models/a"), ("b", "org/b"))
+    with pytest.raises(ValueError, match="MODEL=PATH_OR_HUB_ID"):
+        settings_from_args(build_parser().parse_args(["--mixed", "127.0.0.1:1", "--tokenizer", "no-source"]))
