@@ -40,10 +40,10 @@ class PrefixIds:
             self._entries.move_to_end(key)
         return ids
 
-    def put(self, key: bytes, ids: Sequence[int]) -> None:
+    def put(self, key: bytes, ids: array[int]) -> None:
         if key in self._entries or len(ids) > self._max:
             return
-        self._entries[key] = array("I", ids)
+        self._entries[key] = ids
         self.tokens += len(ids)
         while self.tokens > self._max:
             _, old = self._entries.popitem(last=False)
@@ -87,14 +87,14 @@ class Splitter:
             start = cut
         found = next(((i, ids) for i in range(len(cuts) - 1, -1, -1) if (ids := cache.get(keys[i])) is not None),
                      None)  # fmt: skip
-        head, at = (found[1].tolist(), cuts[found[0]]) if found else ([], 0)
+        head, at = (found[1], cuts[found[0]]) if found else (array("I"), 0)
         if found is None or found[0] < len(cuts) - 1:
             encoding = self._tokenizer.encode(text[at:], add_special_tokens=False)
-            tail = list(encoding.ids)
+            tail = encoding.ids
             # The tail's tokens before the last cut: none of them straddles it, as cleanly() checked.
             boundary = cuts[-1] - at
             upto = sum(1 for begin, _ in encoding.offsets if begin < boundary)
-            cache.put(keys[-1], head + tail[:upto])
+            cache.put(keys[-1], head + array("I", tail[:upto]))
         else:
             tail = self.encode(text[at:])
-        return head + tail, found is not None
+        return head.tolist() + tail, found is not None

@@ -136,6 +136,8 @@ class PromptTokens:
             ["outcome"], registry=registry,
         )  # fmt: skip
         self._cache = PrefixIds(cache_tokens)
+        self._reuse = cache_tokens > 0
+        """False: every chat is tokenized whole (``cache_tokens=0``)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-load")
         self._resolved: dict[str, tuple[str | None, tuple[tuple[Any, Any], ...], float]] = {}
         self._loads: dict[str, Future[Loaded]] = {}
@@ -186,7 +188,7 @@ class PromptTokens:
         if not isinstance(special, bool):
             raise Unsupported("add_special_tokens must be a boolean")
         splitter = loaded.splitter
-        if special or splitter is None:
+        if special or splitter is None or not self._reuse:
             return "whole", list(loaded.tokenizer.encode(text, add_special_tokens=special).ids)
         ids, reused = splitter.encode_chat(text, self._cache, loaded.source.encode())
         if reused and loaded.checks_left > 0:
