@@ -37,11 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         "VLLM_SIM_MODEL takes a comma-separated list)",
     )  # fmt: skip
     add("--model-root", str, defaults.model_root, "the model path vLLM would serve (root of the base model cards)")
-    add(
-        "--tokenizer", str, "", "encode with the Hugging Face tokenizer in this directory, written there if "
-        "missing (a router can load it; the default root of the model cards)",
+    parser.add_argument(
+        "--tokenizer", default="", metavar="DIR", help="encode with the Hugging Face tokenizer in DIR, written "
+        "there if missing (a router can load it; the default root of the model cards)",
     )  # fmt: skip
-    add("--write-tokenizer", str, "", "write the simulator's Hugging Face tokenizer directory here and exit")
+    parser.add_argument(
+        "--write-tokenizer", default="", metavar="DIR", help="write the simulator's Hugging Face tokenizer "
+        "directory (tokenizer.json, tokenizer_config.json with the chat template) to DIR and exit",
+    )  # fmt: skip
     parser.add_argument(
         "--lora", action="append", default=None, metavar="NAME[=PATH]",
         help="serve a LoRA adapter beside the base model (repeatable; VLLM_SIM_LORA takes a comma-separated list)",
