@@ -83,7 +83,7 @@ def chatml_bpe(directory: Path) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     rng = random.Random("corpus")
     corpus = [words(rng, 50) + f" {rng.randrange(1 << 32):x} " + tokens.decode(range(16, 4096, 7)) for _ in range(400)]
-    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tokenizer.train_from_iterator(corpus, trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
