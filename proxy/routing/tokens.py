@@ -103,8 +103,9 @@ def load(source: str) -> Loaded:
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             special[key] = value
-    if isinstance(config.get("additional_special_tokens"), list):
-        special["additional_special_tokens"] = config["additional_special_tokens"]
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):  # strings, or AddedToken objects as tokenizer_config.json spells them
+        special["additional_special_tokens"] = [t.get("content") if isinstance(t, dict) else t for t in extra]
     raw = jinja_file.read_text(encoding="utf-8") if jinja_file else config.get("chat_template")
     if isinstance(raw, str):
         named = {"default": raw}

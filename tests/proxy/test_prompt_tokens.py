@@ -257,3 +257,17 @@ def test_the_tokenizer_flag_takes_model_equals_source() -> None:
     assert settings_from_args(args).tokenizers == (("a", "/models/a"), ("b", "org/b"))
     with pytest.raises(ValueError, match="MODEL=PATH_OR_HUB_ID"):
         settings_from_args(build_parser().parse_args(["--mixed", "127.0.0.1:1", "--tokenizer", "no-source"]))
+
+
+async def test_a_template_that_loops_over_content_gets_text_parts(tmp_path: Path) -> None:
+    # vLLM's "openai" content format: the template sees [{"type": "text", "text": ...}], not a joined string.
+    tokenizer = word_tokenizer({"<s>": 0, "<eot>": 1, "<unk>": 2, "hi": 3, "there": 4, "[t]": 5})
+    template = ("{% for message in messages %}{% if message['role'] != 'user' %}{{ raise_exception('users only') }}"
+                "{% endif %}{% for part in message['content'] %}[t] {{ part['text'] }} {% endfor %}<eot>"
+                "{% endfor %}")  # fmt: skip
+    tokens = await loaded(prompt_tokens([], {"m": write_tokenizer(tmp_path / "parts", tokenizer, template)}), "m")
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, "there"]}]}
+    assert tokens.prompt_ids("m", parts, "chat") == [5, 3, 5, 4, 1]
+    assert tokens.prompt_ids("m", {"messages": [{"role": "user", "content": "hi"}]}, "chat") == [5, 3, 1]
+    assert tokens.prompt_ids("m", {"messages": [{"role": "system", "content": "hi"}]}, "chat") is None
+    assert outcomes(tokens)["failed"] == 1
