@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,14 +114,21 @@ def load(source: str) -> Loaded:
             t["name"]: t["template"] for t in raw or () if isinstance(t, dict) and isinstance(t.get("template"), str)
         }
     templates = {name: ChatTemplate(text, special) for name, text in named.items()}
-    splitter: Splitter | None = Splitter(tokenizer)
+    splitter = Splitter(tokenizer)
+    return Loaded(source=source, tokenizer=tokenizer, templates=templates,
+                  splitter=splitter if splitter.cleanly(_samples(tokenizer, templates.values())) else None)  # fmt: skip
+
+
+def _samples(tokenizer: Tokenizer, templates: Iterable[ChatTemplate]) -> list[str]:
+    """Rendered chats to check cuts on: plain words, and words of the tokenizer's own vocabulary (which plain
+    words may not be: unknown words all look alike)."""
+    size = tokenizer.get_vocab_size()
+    known = tokenizer.decode(list(range(0, size, max(1, size // 48))), skip_special_tokens=True)
+    chats = [_SAMPLE_CHAT, [{**m, "content": f"{known} {m['content']}"} for m in _SAMPLE_CHAT]]
     try:
-        samples = [t.render({"messages": _SAMPLE_CHAT}) for t in templates.values()]
-    except Exception:  # noqa: BLE001 - a template that refuses the sample: no incremental ids, chats still work
-        samples = []
-    if splitter is not None and not splitter.cleanly(samples):
-        splitter = None
-    return Loaded(source=source, tokenizer=tokenizer, templates=templates, splitter=splitter)
+        return [t.render({"messages": chat}) for t in templates for chat in chats]
+    except Exception:  # noqa: BLE001 - a template that refuses the samples: no incremental ids, chats still work
+        return []
 
 
 class PromptTokens:

@@ -233,7 +233,6 @@ async def test_a_tokenizer_that_restarts_differently_after_a_cut_is_tokenized_wh
             assert ids == [3, 1] + [4, 1] * turn
             messages = [*messages, {"role": "user", "content": "a"}]
     assert "incremental" not in outcomes(tokens)
-    assert any("tokenized whole from now on" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_replica_learns_the_tokenizer_from_its_nodes_model_card(sim: SimNode) -> None:
@@ -271,3 +270,23 @@ async def test_a_template_that_loops_over_content_gets_text_parts(tmp_path: Path
     assert tokens.prompt_ids("m", {"messages": [{"role": "user", "content": "hi"}]}, "chat") == [5, 3, 1]
     assert tokens.prompt_ids("m", {"messages": [{"role": "system", "content": "hi"}]}, "chat") is None
     assert outcomes(tokens)["failed"] == 1
+
+
+async def test_a_bad_cut_the_samples_miss_is_caught_on_the_first_chats(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The same Metaspace tokenizer, but every id the load-time samples draw from the vocabulary is a special
+    # token and the sample chat's words are unknown to it: only real requests show the difference.
+    vocab_ = {f"<x{i}>" if i % 2 == 0 else f"w{i}": i for i in range(99)} | {"a": 99, "<unk>": 100, "▁a": 101}
+    tokenizer = Tokenizer(models.WordLevel(vocab_, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in vocab_ if t[0] == "<"])
+    template = "{% for m in messages %}{{ m['content'] }}<x0>{% endfor %}"
+    tokens = await loaded(prompt_tokens([], {"m": write_tokenizer(tmp_path / "meta", tokenizer, template)}), "m")
+    messages = [{"role": "user", "content": "a"}]
+    with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.routing.tokens"):
+        for turn in range(4):
+            assert tokens.prompt_ids("m", {"messages": messages}, "chat") == [101, 0] + [99, 0] * turn
+            messages = [*messages, {"role": "user", "content": "a"}]
+    assert "incremental" not in outcomes(tokens)
+    assert sum("tokenized whole from now on" in r.getMessage() for r in caplog.records) == 1
