@@ -50,6 +50,12 @@ def test_words_have_ids_of_their_own_and_other_words_are_spelled() -> None:
     assert all(t >= tokens.FIRST_PROMPT for t in spelled)
 
 
+def test_the_benchmarks_words_are_one_token_each() -> None:
+    from bench.sessions import _WORDS
+
+    assert len(encode(" ".join(_WORDS))) == len(_WORDS)
+
+
 def test_the_directory_loads_with_the_tokenizers_library(tmp_path: Path) -> None:
     directory = vocab.write(tmp_path / "tok")
     loaded = Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -62,6 +68,7 @@ def test_a_node_with_a_tokenizer_continues_exactly_from_text(tmp_path: Path, log
     try:
         (card,) = httpx.get(f"{node.url}/v1/models").json()["data"]
         assert card["root"] == str((tmp_path / "tok").resolve())
+        assert httpx.get(f"{node.url}/tokenizer_info").json()["vocab_size"] == TOKENIZER.get_vocab_size()
         body = {"model": "sim-model", "prompt": "Summary: the queue 7x", "max_tokens": 12, "return_token_ids": True}
         whole = httpx.post(f"{node.url}/v1/completions", json=body).json()["choices"][0]
         assert whole["prompt_token_ids"] == encode(body["prompt"])
