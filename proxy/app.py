@@ -37,6 +37,7 @@ from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
+from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
@@ -86,9 +87,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class ProxyApp:
     """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens) -> None:
         self._app = app
         self.lifecycle = lifecycle
+        self.prompt_tokens = prompt_tokens
+        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
@@ -133,10 +136,13 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
     keys = ClientKeys(settings.api_keys)
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
+    prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
+                                                                        if model in s.cards], registry)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         http.prepare_tls()
+        prompt_tokens.start()
         if tracer is not None:
             tracer.start()
 
@@ -170,6 +176,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
+            prompt_tokens.close()
             http.close()
             scrapes.close()
             if tracer is not None:
@@ -207,4 +214,4 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
                           tracer=tracer)  # fmt: skip
-    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)
+    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

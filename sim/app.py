@@ -51,7 +51,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     settings = engine.settings
     record = new_record(request)
     try:
-        req = protocol.parse(kind, await json_body(request, record))
+        req = protocol.parse(kind, await json_body(request, record), engine.encode)
         record.model, record.stream, record.prompt_tokens = req.model, req.stream, req.prompt_tokens
         record.max_tokens, record.kv_transfer_params = req.max_tokens, req.kv_transfer_params
         protocol.check_model(req.model, engine.served_names)
@@ -166,7 +166,7 @@ async def tokenize(request: Request) -> Response:
     engine, record = engine_of(request), new_record(request)
     try:
         body = await json_body(request, record)
-        ids = protocol.tokenize_ids(body)
+        ids = protocol.tokenize_ids(body, engine.encode)
         protocol.check_model(body.get("model"), engine.served_names)
     except ApiError as exc:
         engine.reject(record, exc.status)

@@ -12,11 +12,13 @@ from pathlib import Path
 import uvicorn
 
 from vllm_etcd_proxy.fleet.flags import environment_defaults
+from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
 SHUTDOWN_TIMEOUT = 3
 """Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""
+
 
 def _parser() -> argparse.ArgumentParser:
     defaults = SimSettings()
@@ -35,6 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         "VLLM_SIM_MODEL takes a comma-separated list)",
     )  # fmt: skip
     add("--model-root", str, defaults.model_root, "the model path vLLM would serve (root of the base model cards)")
+    parser.add_argument(
+        "--tokenizer", default="", metavar="DIR", help="encode with the Hugging Face tokenizer in DIR, written "
+        "there if missing (a router can load it; the default root of the model cards)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--write-tokenizer", default="", metavar="DIR", help="write the simulator's Hugging Face tokenizer "
+        "directory (tokenizer.json, tokenizer_config.json with the chat template) to DIR and exit",
+    )  # fmt: skip
     parser.add_argument(
         "--lora", action="append", default=None, metavar="NAME[=PATH]",
         help="serve a LoRA adapter beside the base model (repeatable; VLLM_SIM_LORA takes a comma-separated list)",
@@ -107,6 +117,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         port=args.port,
         models=tuple(models) or SimSettings().models,
         model_root=args.model_root,
+        tokenizer=Path(args.tokenizer).resolve() if args.tokenizer else None,
         loras=loras,
         role=role,
         node_id=args.node_id,
@@ -141,6 +152,11 @@ def _lora(spec: str) -> tuple[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    target = _parser().parse_known_args(argv)[0].write_tokenizer
+    if target:
+        print(vocab.write(target))
+        return
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger(__name__).info(

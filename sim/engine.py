@@ -18,12 +18,14 @@ from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+from vllm_etcd_proxy.sim import tokens
 from vllm_etcd_proxy.sim.errors import ApiError
 from vllm_etcd_proxy.sim.knobs import Knobs
 from vllm_etcd_proxy.sim.latency import Latencies
 from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
 from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.settings import SimSettings
+from vllm_etcd_proxy.sim.vocab import HfVocab
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ class Engine:
         self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks)
         self._next_block = 1
         self.hung = 0
+        self.encode: tokens.Encoder = HfVocab(settings.tokenizer).encode if settings.tokenizer else tokens.encode
+        """Text -> ids: the word tokenizer, or with --tokenizer the Hugging Face one written in that directory."""
         self.loras: dict[str, str] = dict(settings.loras)
         """LoRA adapters served now, name -> path: the startup ones plus /v1/load_lora_adapter's."""
         self.sleep_level = 0

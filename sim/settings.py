@@ -34,6 +34,9 @@ class SimSettings:
     model_root: str = ""
     """The model path vLLM was started with (``root`` of the base models' cards); empty means the first served
     name, as vLLM's default served name is the model path."""
+    tokenizer: Path | None = None
+    """Encode text with the Hugging Face tokenizer of this directory (written there when it has none; see
+    ``vocab``) instead of the word tokenizer; it is then the default ``root`` of the base models' cards."""
     loras: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, as vLLM's --lora-modules NAME=PATH: each has a model card with
     ``parent`` the first served name and ``root`` its path, and requests may name it."""
@@ -110,7 +113,7 @@ class SimSettings:
     @property
     def root(self) -> str:
         """``root`` of the base models' cards."""
-        return self.model_root or self.served_model
+        return self.model_root or (str(self.tokenizer) if self.tokenizer else "") or self.served_model
 
     @property
     def kv_host(self) -> str:
