@@ -270,3 +270,33 @@ def make_policy(name: str) -> Policy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
+
+
+# -- LoRA adapters (issue 19) ----------------------------------------------------------------------------------
+
+ADAPTER_SLACK = 4
+"""Requests more than the least loaded candidate a node may carry and still be preferred for its adapter."""
+
+
+def prefer_adapter(candidates: list[NodeState], adapter: str) -> list[NodeState]:
+    """The candidates for a request of LoRA adapter ``adapter`` that the policy then chooses among: those where
+    it is active (running or waiting in the node's ``vllm:lora_requests_info``), else those with a free adapter
+    slot too, else all; a tier is skipped when even its least loaded node carries ``ADAPTER_SLACK`` more
+    requests than the least loaded candidate (the adapter then spreads rather than queue on its nodes)."""
+    if len(candidates) <= 1:
+        return candidates
+
+    def tier(state: NodeState) -> int:
+        if adapter in state.lora_running or adapter in state.lora_waiting:
+            return 0
+        slots = state.max_loras
+        return 1 if slots is None or len(state.lora_running) < slots else 2
+
+    tiers = [tier(s) for s in candidates]
+    loads = [node_load(s) for s in candidates]
+    least = min(loads)
+    for best in sorted(set(tiers))[:-1]:
+        chosen = [s for s, t, n in zip(candidates, tiers, loads, strict=True) if t <= best]
+        if min(n for t, n in zip(tiers, loads, strict=True) if t <= best) < least + ADAPTER_SLACK:
+            return chosen
+    return candidates
