@@ -142,3 +142,41 @@ async def test_an_unknown_adapter_gets_vllms_404_listing_the_known_models(fleet:
         await eventually(lambda: "known" not in fleet.replicas[0].get("/v1/models").text, 5.0, "unlisted")
         assert (await ask(client, fleet.replicas[0], "known")).status_code == 404
     assert all(fleet.loads(n) == [] for n in fleet.nodes)
+
+
+async def test_an_adapter_the_nodes_list_themselves_goes_to_the_node_where_it_is_active(
+    etcd: EtcdServer, logs_dir: Path
+) -> None:
+    nodes = [SimNode(logs_dir, f"own-{i}", enable_lora=True, max_loras=2, lora_modules=["own=/loras/own"],
+                     itl=0.02) for i in range(2)]  # fmt: skip
+    replica = None
+    try:
+        for node in nodes:
+            node.start()
+            etcd.etcdctl("put", f"/vllm/default/mixed/{node.host_port}", "")
+        replica = ProxyProc(logs_dir, "--etcd", etcd.endpoint, "--scrape-load", "0.1")
+        for node in nodes:
+            replica.wait_routable("mixed", node.host_port)
+        idle, busy = nodes
+        long = {"model": "own", "prompt": "long", "max_tokens": 400, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            running = asyncio.create_task(client.post(f"{busy.url}/v1/completions", json=long))  # straight to it
+            try:
+
+                async def next_five_on_busy() -> bool:
+                    picked = []
+                    for i in range(5):
+                        short = {"model": "own", "prompt": f"q{i}", "max_tokens": 2}
+                        answer = await client.post(f"{replica.url}/v1/completions", json=short)
+                        picked.append(answer.headers["x-sim-node"])
+                    return set(picked) == {busy.host_port}
+
+                await eventually(next_five_on_busy, 5.0, "the adapter's requests on the node where it is active")
+            finally:
+                running.cancel()
+        assert not [r for r in idle.requests() if r["path"] == "/v1/completions" and r["state"] == "running"]
+    finally:
+        if replica is not None:
+            replica.stop()
+        for node in nodes:
+            node.stop()
