@@ -280,23 +280,34 @@ ADAPTER_SLACK = 4
 
 def prefer_adapter(candidates: list[NodeState], adapter: str) -> list[NodeState]:
     """The candidates for a request of LoRA adapter ``adapter`` that the policy then chooses among: those where
-    it is active (running or waiting in the node's ``vllm:lora_requests_info``), else those with a free adapter
-    slot too, else all; a tier is skipped when even its least loaded node carries ``ADAPTER_SLACK`` more
-    requests than the least loaded candidate (the adapter then spreads rather than queue on its nodes)."""
-    if len(candidates) <= 1:
+    it is active (running in the node's ``vllm:lora_requests_info``: waiting there means the node's slots are
+    taken, no reason to send more); else, of those with a free
+    adapter slot, its home node (ranked first by a hash of adapter and node, alike on every replica, so that an
+    adapter comes back to the node that still holds it in a slot), then all of those; else all. A choice is
+    skipped when even its least loaded node carries ``ADAPTER_SLACK`` more requests than the least loaded
+    candidate (the adapter then spreads rather than queue on its nodes). Candidates none of which shows the gauge
+    (no LoRA, or no --scrape-load) are left as they are."""
+    if len(candidates) <= 1 or all(s.max_loras is None for s in candidates):
         return candidates
 
     def tier(state: NodeState) -> int:
-        if adapter in state.lora_running or adapter in state.lora_waiting:
+        if adapter in state.lora_running:
             return 0
         slots = state.max_loras
         return 1 if slots is None or len(state.lora_running) < slots else 2
 
+    loads = {id(s): node_load(s) for s in candidates}
+    bound = min(loads.values()) + ADAPTER_SLACK
     tiers = [tier(s) for s in candidates]
-    loads = [node_load(s) for s in candidates]
-    least = min(loads)
-    for best in sorted(set(tiers))[:-1]:
-        chosen = [s for s, t, n in zip(candidates, tiers, loads, strict=True) if t <= best]
-        if min(n for t, n in zip(tiers, loads, strict=True) if t <= best) < least + ADAPTER_SLACK:
-            return chosen
+    active = [s for s, t in zip(candidates, tiers, strict=True) if t == 0]
+    if active and min(loads[id(s)] for s in active) < bound:
+        return active
+    free = [s for s, t in zip(candidates, tiers, strict=True) if t == 1]
+    if free:
+        home = max(free, key=lambda s: _stable_hash(f"{adapter}#{s.node.node_id}"))
+        if loads[id(home)] < bound:
+            return [home]
+        either = active + free
+        if len(either) < len(candidates) and min(loads[id(s)] for s in either) < bound:
+            return either
     return candidates

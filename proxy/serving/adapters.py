@@ -2,7 +2,7 @@
 its base model, and it goes where the adapter is active (``routing.balancer.prefer_adapter``).
 
 - No routable node has the adapter: a node of the base model is chosen (a free adapter slot first, then the
-  least loaded, ties broken by a hash of adapter and node, so replicas agree) and asked
+  least loaded, ties broken by a hash of adapter and node as in ``prefer_adapter``, so replicas agree) and asked
   ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``. One load per node and adapter is in flight in this
   replica: requests that arrive meanwhile wait for it. vLLM's "has already been loaded" counts as success. A load
   that fails holds that node back for the adapter (``FAILED_HOLD``) and the next node is tried, up to
@@ -100,7 +100,7 @@ class AdapterLoader:
 
         def rank(state: NodeState) -> tuple[bool, int, int]:
             full = state.max_loras is not None and len(state.lora_running) >= state.max_loras
-            return full, node_load(state), _stable_hash(f"{adapter.name}#{state.node.node_id}")
+            return full, node_load(state), -_stable_hash(f"{adapter.name}#{state.node.node_id}")  # its home first
 
         return sorted(nodes, key=rank)
 

@@ -84,6 +84,7 @@ def test_unknown_policy_names_the_known_ones() -> None:
 
 
 def test_an_adapters_requests_prefer_nodes_where_it_is_active_then_a_free_slot_unless_they_are_much_busier() -> None:
+    """Tiers: active, then a free slot (its home node first), then all; without the gauge, no preference."""
     from vllm_etcd_proxy.proxy.routing.balancer import ADAPTER_SLACK, prefer_adapter
 
     active, free, full = nodes(3)
@@ -93,6 +94,8 @@ def test_an_adapters_requests_prefer_nodes_where_it_is_active_then_a_free_slot_u
     assert prefer_adapter([active, free, full], "sql") == [active]
     assert prefer_adapter([free, full], "sql") == [free]
     active.in_flight = ADAPTER_SLACK
-    assert prefer_adapter([active, free, full], "sql") == [active, free]
+    assert prefer_adapter([active, free, full], "sql") == [free]
     free.in_flight = ADAPTER_SLACK
     assert prefer_adapter([active, free, full], "sql") == [active, free, full]
+    plain = nodes(3)
+    assert prefer_adapter(plain, "sql") == plain

@@ -112,7 +112,7 @@ async def test_a_failed_load_moves_to_another_node_and_a_load_failing_everywhere
     first, second = fleet.nodes
     # A name the replicas would load on ``first`` (ties are broken by a hash of adapter and node id).
     name = next(f"a{i}" for i in range(100)
-                if _stable_hash(f"a{i}#{first.host_port}") < _stable_hash(f"a{i}#{second.host_port}"))  # fmt: skip
+                if _stable_hash(f"a{i}#{first.host_port}") > _stable_hash(f"a{i}#{second.host_port}"))  # fmt: skip
     first.configure(lora_load_fail=500)
     fleet.register(name)
     async with httpx.AsyncClient() as client:
