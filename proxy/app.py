@@ -137,7 +137,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     keys = ClientKeys(settings.api_keys)
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
     adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
-    loader = AdapterLoader(pool, adapters, client, backend_auth)
+    loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -30,6 +30,7 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, UpstreamFailed
+from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import _stable_hash, node_load, prefer_adapter
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream
 
@@ -54,16 +55,15 @@ class LoadFailed(Exception):
 class AdapterLoader:
     """Loads registered adapters where requests need them; built in the app's lifespan, ``close``d there."""
 
-    def __init__(self, pool: Pool, registry: AdapterRegistry, client: httpx.AsyncClient,
+    def __init__(self, pool: Pool, registry: AdapterRegistry, client: httpx.AsyncClient, metrics: ProxyMetrics,
                  headers: dict[str, str] | None = None) -> None:  # fmt: skip
         self._pool = pool
+        self._metrics = metrics
         self._registry = registry
         self._client = client
         self._headers = headers
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._failed: dict[tuple[str, str], float] = {}
-        self.loads = 0
-        """Load requests this replica sent (for tests and the benchmark)."""
 
     def registered(self, model: str) -> Adapter | None:
         return self._registry.get(model)
@@ -164,7 +164,7 @@ class AdapterLoader:
         return task
 
     async def _load(self, state: NodeState, adapter: Adapter) -> None:
-        node, self.loads = state.node, self.loads + 1
+        node = state.node
         body = {"lora_name": adapter.name, "lora_path": adapter.path}
         log.info("loading adapter name=%s node=%s", adapter.name, node.node_id)
         try:
@@ -178,11 +178,13 @@ class AdapterLoader:
                 "detail" in response.text else ""  # fmt: skip
             self._fail(state, adapter, f"{response.status_code} {_message(response)}{hint}")
         log.info("adapter loaded name=%s node=%s already=%s", adapter.name, node.node_id, already)
+        self._metrics.adapter_loads.labels(adapter.name, "already" if already else "loaded").inc()
         self._failed.pop((state.entry_key, adapter.name), None)
         self._pool.set_adapter_loaded(state, adapter.name, True)
 
     def _fail(self, state: NodeState, adapter: Adapter, answer: str) -> NoReturn:
         self._failed[(state.entry_key, adapter.name)] = time.monotonic() + FAILED_HOLD
+        self._metrics.adapter_loads.labels(adapter.name, "failed").inc()
         log.warning("adapter load failed name=%s node=%s answer=%s", adapter.name, state.node.node_id, answer)
         raise LoadFailed(f"node {state.node.node_id} answered {answer}")
 

@@ -120,6 +120,9 @@ async def test_a_failed_load_moves_to_another_node_and_a_load_failing_everywhere
         answer = await ask(client, fleet.replicas[0], name)
         assert (answer.status_code, answer.json()["model"]) == (200, name)
         assert [r["status"] for r in fleet.loads(first)] == [500] and fleet.holders(name) == [second]
+        page = fleet.replicas[0].get("/metrics").text
+        for outcome in ("failed", "loaded"):
+            assert f'vllm_proxy_adapter_loads_total{{adapter="{name}",outcome="{outcome}"}} 1.0' in page
         second.configure(lora_load_fail=404)
         fleet.register("broken", "/no/such/adapter")
         await eventually(lambda: "broken" in fleet.replicas[1].get("/v1/models").text, 5.0, "listed")
