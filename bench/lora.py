@@ -50,6 +50,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--swap-time", type=float, default=0.05, help="seconds a swap adds to TTFT (0.05)")
     p.add_argument("--load-time", type=float, default=0.2, help="seconds a runtime load takes (0.2)")
     p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated")
+    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the proxy of the on-demand and preloaded runs (repeatable)")  # fmt: skip
     add_run_flags(p, QUICK, "a short run")
     return parse_quick(p, argv, QUICK)
 
@@ -130,6 +132,8 @@ def run_one(name: str, args: argparse.Namespace, logs: Any) -> dict[str, Any]:
     proxy_flags = ["--scrape-load", "0" if name == "round-robin" else "0.1", "--log-level", "warning"]
     if name == "round-robin":
         proxy_flags += ["--policy", "round-robin"]
+    else:
+        proxy_flags += args.proxy_arg
     with Fleet(logs / name if logs else None) as fleet:
         peer = fleet.port()
         etcd = fleet.start("etcd", "", [], "/health",
@@ -147,7 +151,7 @@ def run_one(name: str, args: argparse.Namespace, logs: Any) -> dict[str, Any]:
     swaps, loads = sum(c.get("lora_swaps", 0) for c in counters), sum(c.get("lora_loads", 0) for c in counters)
     return {"run": name, "requests": args.requests, "failed": failed, "seconds": round(elapsed, 2),
             "ttft_ms": percentiles_ms(ttfts), "swaps": swaps, "swaps_per_1000": round(1000 * swaps / args.requests, 1),
-            "loads": loads}  # fmt: skip
+            "loads": loads, "per_node": [c.get("completed", 0) for c in counters]}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -294,7 +294,8 @@ def prefer_adapter(candidates: list[NodeState], adapter: str) -> list[NodeState]
         if adapter in state.lora_running:
             return 0
         slots = state.max_loras
-        return 1 if slots is None or len(state.lora_running) < slots else 2
+        # Requests of some adapter waiting there: its slots are taken, however many the gauge says run.
+        return 1 if slots is None or (len(state.lora_running) < slots and not state.lora_waiting) else 2
 
     loads = {id(s): node_load(s) for s in candidates}
     bound = min(loads.values()) + ADAPTER_SLACK

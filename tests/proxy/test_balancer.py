@@ -93,6 +93,9 @@ def test_an_adapters_requests_prefer_nodes_where_it_is_active_then_a_free_slot_u
     full.lora_running, full.max_loras = frozenset({"x", "y"}), 2
     assert prefer_adapter([active, free, full], "sql") == [active]
     assert prefer_adapter([free, full], "sql") == [free]
+    full.lora_running, full.lora_waiting = frozenset(), frozenset({"y"})  # slots taken: something waits there
+    assert prefer_adapter([free, full], "sql") == [free]
+    full.lora_running, full.lora_waiting = frozenset({"x", "y"}), frozenset()
     active.in_flight = ADAPTER_SLACK
     assert prefer_adapter([active, free, full], "sql") == [free]
     free.in_flight = ADAPTER_SLACK
