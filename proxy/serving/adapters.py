@@ -29,7 +29,7 @@ from vllm_etcd_proxy.fleet.adapters import Adapter
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
-from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, UpstreamFailed
+from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, UpstreamFailed
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import _stable_hash, node_load, prefer_adapter
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream
@@ -123,6 +123,10 @@ class AdapterLoader:
         self._grow(adapter, have)
 
     def _failure(self, adapter: Adapter, answers: list[str]) -> Exception:
+        if not answers and not self._pool.serving(adapter.base):  # its base model is served nowhere: unknown
+            served = self._pool.models()
+            known = ", ".join(sorted({*served, *(a.name for a in self.listed(served))})) or "none"
+            return ModelNotFound(f"The model `{adapter.name}` does not exist. Known models: {known}.", param="model")
         if answers:
             return UpstreamFailed(f"LoRA adapter {adapter.name!r} could not be loaded on a node of {adapter.base!r}: "
                                   + "; ".join(answers))  # fmt: skip

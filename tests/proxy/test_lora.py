@@ -133,7 +133,8 @@ async def test_a_failed_load_moves_to_another_node_and_a_load_failing_everywhere
 
 
 async def test_an_unknown_adapter_gets_vllms_404_listing_the_known_models(fleet: Fleet) -> None:
-    fleet.register("known")
+    fleet.etcd.etcdctl("put", ADAPTERS + "orphan", json.dumps({"path": "/loras/orphan", "base": "other"}))
+    fleet.register("known")  # once listed, the replica has seen the orphan put before it too
     await eventually(lambda: "known" in fleet.replicas[0].get("/v1/models").text, 5.0, "listed")
     async with httpx.AsyncClient() as client:
         answer = await ask(client, fleet.replicas[0], "unknown")
@@ -141,6 +142,8 @@ async def test_an_unknown_adapter_gets_vllms_404_listing_the_known_models(fleet:
         error = answer.json()["error"]
         assert error["message"] == f"The model `unknown` does not exist. Known models: known, {MODEL}."
         assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "model", "model_not_found")
+        orphan = await ask(client, fleet.replicas[0], "orphan")  # its base model is served nowhere: unknown too
+        assert orphan.status_code == 404 and "orphan" not in fleet.replicas[0].get("/v1/models").text
         fleet.etcd.etcdctl("del", ADAPTERS + "known")  # unregistered: never loaded from now on
         await eventually(lambda: "known" not in fleet.replicas[0].get("/v1/models").text, 5.0, "unlisted")
         assert (await ask(client, fleet.replicas[0], "known")).status_code == 404
