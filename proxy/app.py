@@ -19,9 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_etcd_proxy.fleet.adapters import FOLDER as ADAPTERS
 from vllm_etcd_proxy.fleet.etcd import EtcdClient
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
+from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
 from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
@@ -38,6 +40,7 @@ from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
 from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
@@ -138,6 +141,8 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
     prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
                                                                         if model in s.cards], registry)  # fmt: skip
+    adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
+    loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -161,7 +166,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state)
+            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state, sinks={ADAPTERS: adapters})
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         deadline = time.monotonic() + wait_ready
         while (time.monotonic() < deadline and not lifecycle.shutting_down
@@ -170,6 +175,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         try:
             yield
         finally:
+            loader.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,7 +208,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             allowed=settings.admin_allow,
             backend_auth=backend_auth,
         ).routes(),  # fmt: skip
-        *ModelRoutes(pool, keys).routes(),
+        *ModelRoutes(pool, keys, adapters).routes(),
         *DashboardRoutes().routes(),
     ]
     operator_app = Starlette(
@@ -213,5 +219,5 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer)  # fmt: skip
+                          tracer=tracer, adapters=loader)  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

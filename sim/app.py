@@ -73,6 +73,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     job = Job(
         record=record, prompt=req.prompt_ids, tokens=answer.tokens, finish_reason=answer.finish_reason,
         kv_loaded=leg.pulled_from is not None, cache_salt=record.cache_salt,
+        adapter=req.model if req.model in engine.loras else None,
     )  # fmt: skip
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
@@ -150,7 +151,8 @@ async def load(request: Request) -> Response:
 async def models(request: Request) -> Response:
     engine = engine_of(request)
     settings = engine.settings
-    return JSONResponse(model_list(settings.models, settings.max_model_len, settings.root, engine.loras))
+    return JSONResponse(model_list(settings.models, settings.max_model_len, settings.root, engine.loras,
+                                   engine.adapters.parents))  # fmt: skip
 
 
 async def metrics(request: Request) -> Response:
@@ -267,6 +269,7 @@ def create_app(settings: SimSettings) -> Starlette:
         *tokens_api.ROUTES,
         *anthropic.ROUTES,
         *admin.ROUTES,
+        *(admin.LORA_ROUTES if settings.runtime_lora_updating else ()),
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error})

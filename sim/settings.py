@@ -40,6 +40,21 @@ class SimSettings:
     loras: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, as vLLM's --lora-modules NAME=PATH: each has a model card with
     ``parent`` the first served name and ``root`` its path, and requests may name it."""
+    lora_bases: tuple[tuple[str, str], ...] = ()
+    """Adapters whose --lora-modules JSON names a ``base_model_name``: their cards' ``parent``."""
+    enable_lora: bool = False
+    """vLLM's --enable-lora: requests may name adapters, the runtime routes may load them (--lora implies it)."""
+    max_loras: int = 1
+    """vLLM's --max-loras: adapters in one batch; a request for one more waits (sim/lora.py)."""
+    runtime_lora_updating: bool = False
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: only then are /v1/load_lora_adapter and /v1/unload_lora_adapter
+    served."""
+    lora_swap_time: float = 0.0
+    """Seconds added to the first token of a request whose adapter had to be swapped into a slot."""
+    lora_load_time: float = 0.0
+    """Seconds POST /v1/load_lora_adapter takes."""
+    lora_load_fail: int = 0
+    """When not 0, POST /v1/load_lora_adapter fails with this status (404: vLLM's "No adapter found")."""
     role: Role = Role.MIXED
     """prefill/decode answer kv_transfer_params like NixlConnector; mixed has no connector and ignores them."""
     node_id: str = ""
