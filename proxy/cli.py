@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 
 from vllm_etcd_proxy.fleet.etcd import (
+    BURST_PAUSE,
     DEAD_AFTER,
     EtcdAuthError,
     EtcdClient,
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd-dead-after", type=float, default=DEAD_AFTER, help="seconds of silence after which the etcd watch "
         "counts as dead (a silent partition) and reconnects, to another endpoint if there are several; it asks "
         "etcd for progress every third of this (default 3)")  # fmt: skip
+    add("--etcd-burst-pause", type=float, default=BURST_PAUSE, help="seconds the etcd watch stops listening "
+        "in a burst of changes (over 128 a second) before it asks again from its last revision, so etcd sends what "
+        "came meanwhile in one message instead of one per change; changes are late by up to this plus 0.1 s in a "
+        "burst only (default 0.2; 0: never)")  # fmt: skip
     add("--etcd-keepalive-time", type=float, default=10.0, help="seconds between gRPC pings on a busy etcd "
         "connection, 5 or more: etcd refuses faster pings (default 10)")  # fmt: skip
     add("--etcd-keepalive-timeout", type=float, default=5.0, help="seconds to wait for a ping's answer before "
@@ -141,6 +146,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     if args.etcd:
         etcd = EtcdSettings(
             endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, dead_after=args.etcd_dead_after,
+            burst_pause=args.etcd_burst_pause,
             keepalive_time=args.etcd_keepalive_time, keepalive_timeout=args.etcd_keepalive_timeout,
             cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
             password=read_password(args.etcd_password, args.etcd_password_file),
