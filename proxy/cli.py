@@ -32,7 +32,10 @@ from vllm_etcd_proxy.fleet.etcd import (
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import KeyLayout
 from vllm_etcd_proxy.proxy.app import build_app
+from vllm_etcd_proxy.proxy.discovery.ejection import PROBE_RATE as EJECT_PROBE_RATE
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
+from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
+from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
 from vllm_etcd_proxy.proxy.operations.info import Lifecycle
 from vllm_etcd_proxy.proxy.operations.workers import run_workers
 from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICIES
@@ -84,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "straight to a decode node (default 0: never)")  # fmt: skip
     add("--scrape-load", type=float, default=0.5, help="seconds between scrapes of each node's /metrics (running "
         "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)")  # fmt: skip
+    add("--scrape-rate", type=float, default=SCRAPE_RATE, help="load scrapes a second at most over all nodes, "
+        "a fifth of them for nodes without traffic, new or failing (default 250: a node of a model in demand is "
+        "scraped every --scrape-load s up to 125 x --scrape-load such nodes, less often beyond)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
     add("--max-resumes", type=int, default=2, help="times a stream may go on from another node after its node "
         "failed mid-way (default 2; 0: never, the stream ends with an error event)")  # fmt: skip
@@ -96,11 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 3; 0 disables)")  # fmt: skip
     add("--eject-backoff", type=float, default=1.0, help="seconds before an ejected node's first probe (default 1)")
     add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default 30)")
+    add("--eject-probe-rate", type=float, default=EJECT_PROBE_RATE, help="probes of ejected nodes a second at most, "
+        "over all nodes (default 20)")  # fmt: skip
     add("--shutdown-delay", type=float, default=0.0, help="seconds a replica reports not ready after SIGTERM "
         "before it stops listening, for balancers that health-check /ready (default 0)")  # fmt: skip
     add("--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests "
         "(default 60)")  # fmt: skip
     add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
+    add("--models-probe-rate", type=float, default=MODELS_PROBE_RATE, help="/v1/models polls a second at most "
+        "over all nodes, half of them for refreshes and failing nodes (default 20)")  # fmt: skip
     add("--max-connections", type=int, default=1000, help="connections open to one node at most; more "
         "requests wait for one (default 1000)")  # fmt: skip
     add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
@@ -142,6 +152,9 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be more than 0")
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
@@ -166,9 +179,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,
-                                  max_backoff=args.eject_max_backoff),
+                                  max_backoff=args.eject_max_backoff, probe_rate=args.eject_probe_rate),
         shutdown_timeout=args.shutdown_timeout, shutdown_delay=args.shutdown_delay,
-        models_refresh=args.models_refresh,
+        models_refresh=args.models_refresh, models_probe_rate=args.models_probe_rate, scrape_rate=args.scrape_rate,
         max_connections=args.max_connections, log_level=args.log_level, workers=args.workers,
         otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
     )  # fmt: skip
