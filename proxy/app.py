@@ -136,7 +136,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
     backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
-    prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
+    prober = ModelProber(pool, client, settings.models_refresh, backend_auth, rate=settings.models_probe_rate)
     keys = ClientKeys(settings.api_keys)
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
     prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
@@ -163,7 +163,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
                  asyncio.create_task(prune_connections(), name="connection-pruner"),
                  asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag")]  # fmt: skip
         if settings.scrape_load > 0:
-            watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
+            watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth, rate=settings.scrape_rate)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
             discovery = Discovery(etcd, layout, pool.apply_all, discovery_state, sinks={ADAPTERS: adapters})

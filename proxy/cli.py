@@ -20,6 +20,7 @@ from types import FrameType
 import uvicorn
 
 from vllm_etcd_proxy.fleet.etcd import (
+    BURST_PAUSE,
     DEAD_AFTER,
     EtcdAuthError,
     EtcdClient,
@@ -31,7 +32,10 @@ from vllm_etcd_proxy.fleet.etcd import (
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import KeyLayout
 from vllm_etcd_proxy.proxy.app import build_app
+from vllm_etcd_proxy.proxy.discovery.ejection import PROBE_RATE as EJECT_PROBE_RATE
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
+from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
+from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
 from vllm_etcd_proxy.proxy.operations.info import Lifecycle
 from vllm_etcd_proxy.proxy.operations.workers import run_workers
 from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICIES
@@ -87,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         "a directory")  # fmt: skip
     add("--scrape-load", type=float, default=0.5, help="seconds between scrapes of each node's /metrics (running "
         "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)")  # fmt: skip
+    add("--scrape-rate", type=float, default=SCRAPE_RATE, help="load scrapes a second at most over all nodes, "
+        "a fifth of them for nodes without traffic, new or failing (default 250: a node of a model in demand is "
+        "scraped every --scrape-load s up to 125 x --scrape-load such nodes, less often beyond)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
     add("--max-resumes", type=int, default=2, help="times a stream may go on from another node after its node "
         "failed mid-way (default 2; 0: never, the stream ends with an error event)")  # fmt: skip
@@ -99,17 +106,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 3; 0 disables)")  # fmt: skip
     add("--eject-backoff", type=float, default=1.0, help="seconds before an ejected node's first probe (default 1)")
     add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default 30)")
+    add("--eject-probe-rate", type=float, default=EJECT_PROBE_RATE, help="probes of ejected nodes a second at most, "
+        "over all nodes (default 20)")  # fmt: skip
     add("--shutdown-delay", type=float, default=0.0, help="seconds a replica reports not ready after SIGTERM "
         "before it stops listening, for balancers that health-check /ready (default 0)")  # fmt: skip
     add("--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests "
         "(default 60)")  # fmt: skip
     add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
+    add("--models-probe-rate", type=float, default=MODELS_PROBE_RATE, help="/v1/models polls a second at most "
+        "over all nodes, half of them for refreshes and failing nodes (default 20)")  # fmt: skip
     add("--max-connections", type=int, default=1000, help="connections open to one node at most; more "
         "requests wait for one (default 1000)")  # fmt: skip
     add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
     add("--etcd-dead-after", type=float, default=DEAD_AFTER, help="seconds of silence after which the etcd watch "
         "counts as dead (a silent partition) and reconnects, to another endpoint if there are several; it asks "
         "etcd for progress every third of this (default 3)")  # fmt: skip
+    add("--etcd-burst-pause", type=float, default=BURST_PAUSE, help="seconds the etcd watch stops listening "
+        "in a burst of changes (over 128 a second) before it asks again from its last revision, so etcd sends what "
+        "came meanwhile in one message instead of one per change; changes are late by up to this plus 0.1 s in a "
+        "burst only (default 0.2; 0: never)")  # fmt: skip
     add("--etcd-keepalive-time", type=float, default=10.0, help="seconds between gRPC pings on a busy etcd "
         "connection, 5 or more: etcd refuses faster pings (default 10)")  # fmt: skip
     add("--etcd-keepalive-timeout", type=float, default=5.0, help="seconds to wait for a ping's answer before "
@@ -149,10 +164,14 @@ def tokenizer_flag(spec: str) -> tuple[str, str]:
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate"):
+        if getattr(args, flag) <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be more than 0")
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
             endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, dead_after=args.etcd_dead_after,
+            burst_pause=args.etcd_burst_pause,
             keepalive_time=args.etcd_keepalive_time, keepalive_timeout=args.etcd_keepalive_timeout,
             cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
             password=read_password(args.etcd_password, args.etcd_password_file),
@@ -173,9 +192,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,
-                                  max_backoff=args.eject_max_backoff),
+                                  max_backoff=args.eject_max_backoff, probe_rate=args.eject_probe_rate),
         shutdown_timeout=args.shutdown_timeout, shutdown_delay=args.shutdown_delay,
-        models_refresh=args.models_refresh,
+        models_refresh=args.models_refresh, models_probe_rate=args.models_probe_rate, scrape_rate=args.scrape_rate,
         max_connections=args.max_connections, log_level=args.log_level, workers=args.workers,
         otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
     )  # fmt: skip

@@ -7,6 +7,8 @@ from ipaddress import IPv4Network, IPv6Network
 
 from vllm_etcd_proxy.fleet.etcd import EtcdSettings
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
+from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
+from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +89,10 @@ class ProxySettings:
     """Seconds a client may take to send its body (408 after), so slow senders cannot hold resources."""
     models_refresh: float = 15.0
     """Seconds between GET /v1/models polls of nodes whose record names no models."""
+    scrape_rate: float = SCRAPE_RATE
+    """Load scrapes a second at most over all nodes (a fifth of them for nodes without traffic, new or failing)."""
+    models_probe_rate: float = MODELS_PROBE_RATE
+    """GET /v1/models probes a second at most over all nodes (half of them for refreshes and failing nodes)."""
     max_connections: int = 1000
     """Connections open to one node at most; requests beyond wait for one (within the first-byte timeout)."""
     workers: int = 1

@@ -9,6 +9,10 @@ DEAD_AFTER = 3.0
 of up to 6 s (``lease_bound``)."""
 PROBES_PER_BOUND = 3
 """A stream asks etcd for an answer this many times per ``dead_after``, so one late answer is not a death."""
+BURST_EVENTS, BURST_WINDOW = 32, 0.25
+"""Defaults of ``EtcdSettings.burst_events`` and ``burst_window``: 128 events a second or more is a burst."""
+BURST_PAUSE = 0.2
+"""Default of ``EtcdSettings.burst_pause``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,15 @@ class EtcdSettings:
     """etcd user, when etcd has auth enabled."""
     password: str | None = field(default=None, repr=False)
     """Password of ``user``; never logged, not in repr."""
+    burst_events: int = BURST_EVENTS
+    """A watch that received this many events within ``burst_window`` s is in a burst, and pauses: etcd sends
+    a watcher that keeps up one response per revision (grpc.aio spends about 90 us reading each), but replays a
+    watch started in the past in responses of up to 1,000 revisions."""
+    burst_window: float = BURST_WINDOW
+    burst_pause: float = BURST_PAUSE
+    """Seconds a watch in a burst stops listening before it asks etcd again from its last revision + 1 (and
+    gets what came meanwhile in one response); 0 never pauses. Events are late by up to this plus etcd's 0.1 s
+    catch-up period."""
 
     def __post_init__(self) -> None:
         if not self.endpoints:
@@ -55,6 +68,8 @@ class EtcdSettings:
             raise ValueError("etcd cert and key go together")
         if (self.user is None) != (self.password is None):
             raise ValueError("etcd user and password go together")
+        if self.burst_events < 1 or self.burst_window <= 0 or not 0 <= self.burst_pause <= 60:
+            raise ValueError("burst_events and burst_window must be positive, burst_pause 0 to 60 s")
 
     @property
     def probe_interval(self) -> float:

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc  # type: ignore[import-untyped,unused-ignore]
@@ -36,6 +36,7 @@ from vllm_etcd_proxy.fleet.pb import etcd_rpc_pb2 as pb
 
 if TYPE_CHECKING:
     from vllm_etcd_proxy.fleet.etcd.client import EtcdClient
+    from vllm_etcd_proxy.fleet.etcd.settings import EtcdSettings
 
 log = logging.getLogger(__name__)
 
@@ -148,39 +149,61 @@ async def watch_prefix(
     Raises ``Compacted`` when ``start_revision`` was compacted, ``EtcdUnavailable`` when the stream fails or
     etcd says nothing for ``dead_after`` s although asked every ``probe_interval`` s (resume from the last batch's
     revision + 1).
+
+    In a burst (``settings.burst_events`` events within ``burst_window`` s) the watch is cancelled and created
+    again on the same stream ``burst_pause`` s later from the last revision + 1, which etcd replays in one
+    response (a watcher behind is caught up every 0.1 s, up to 1,000 revisions a response): a burst of
+    registrations costs a few responses a second instead of one per put. The stream and its probes stay up
+    meanwhile, so silence is noticed as before; a compaction during the pause raises ``Compacted``.
     """
     key, end = prefix_range(prefix)
-    create = pb.WatchCreateRequest(key=key, range_end=end, start_revision=start_revision, progress_notify=True)
-    endpoint, bound = client.current_endpoint, client.settings.dead_after
+    settings = client.settings
+
+    def create(revision: int) -> Message:
+        request = pb.WatchCreateRequest(key=key, range_end=end, start_revision=revision, progress_notify=True)
+        return pb.WatchRequest(create_request=request)
+
+    endpoint, bound, loop = client.current_endpoint, settings.dead_after, asyncio.get_running_loop()
+    resume = start_revision - 1  # every change up to here was yielded
     try:
         async with (
             _stream(client, "/etcdserverpb.Watch/Watch", pb.WatchRequest, pb.WatchResponse) as call,
-            contextlib.AsyncExitStack() as probing,
+            _Pacer(call, settings) as pacer,
         ):
             async with asyncio.timeout(bound):
-                await call.write(pb.WatchRequest(create_request=create))
-            watch_id: int | None = None
+                await call.write(create(start_revision))
+            live: int | None = None  # the watch whose events are yielded; None while paused
             while True:
                 async with asyncio.timeout(bound):
                     reply = await call.read()
                 if reply is grpc.aio.EOF:
                     raise EtcdUnavailable(f"etcd {endpoint} closed the watch stream")
-                if reply.canceled:
+                if reply.canceled and reply.watch_id not in pacer.cancelled:
                     if reply.compact_revision:
                         raise Compacted(reply.compact_revision)
                     raise EtcdError(f"etcd {endpoint} cancelled the watch: {reply.cancel_reason}")
-                if reply.created and watch_id is None:
-                    watch_id = reply.watch_id
-                    await probing.enter_async_context(_probing(call, _PROGRESS, client.settings.probe_interval))
-                elif not reply.events and reply.watch_id != watch_id:
+                if reply.created:
+                    first, live = live is None and not pacer.cancelled, reply.watch_id
+                    if first:
+                        pacer.start_probing()
+                        yield WatchBatch(reply.header.revision, [], True)
+                    continue
+                if reply.watch_id != live:
                     # The answer to a progress request (watch id -1): proof of life only. etcd 3.4 may send it
                     # ahead of events still on their way (etcd issue 15220), so its revision is no resume point.
+                    # Or events of a watch cancelled in a burst: the next watch starts from ``resume + 1``.
                     continue
                 events = [
                     Event(type=EventType.DELETE if e.type == pb.Event.DELETE else EventType.PUT, kv=key_value(e.kv))
                     for e in reply.events
                 ]
-                yield WatchBatch(reply.header.revision, events, reply.created)
+                # A replayed response's header is etcd's current revision even when more events follow it (over
+                # 1,000 revisions behind): the last event is the resume point; without events, the header.
+                resume = events[-1].kv.mod_revision if events else max(resume, reply.header.revision)
+                if events and pacer.burst(loop.time(), len(events)):
+                    pacer.pause(reply.watch_id, create(resume + 1))
+                    live = None
+                yield WatchBatch(resume, events)
     except _BROKEN as exc:
         _failed(client, exc, endpoint)
         if isinstance(exc, grpc.aio.AioRpcError):
@@ -190,6 +213,71 @@ async def watch_prefix(
         if isinstance(exc, TimeoutError):
             raise EtcdUnavailable(f"etcd {endpoint}: watch stream timed out, nothing heard for {bound:g}s") from None
         raise EtcdUnavailable(f"etcd {endpoint}: watch stream broke ({type(exc).__name__})") from None
+
+
+class _Pacer:
+    """The writes of one watch stream after its first: progress requests every ``probe_interval`` s, and in a
+    burst a cancel and a create ``burst_pause`` s later (one write at a time: gRPC takes one message in flight)."""
+
+    def __init__(self, call: Any, settings: EtcdSettings) -> None:
+        self._call, self._settings = call, settings
+        self._lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._since, self._count = -1e9, 0
+        self.cancelled: set[int] = set()
+        """Watch ids cancelled here: their cancel confirmation and late events are expected."""
+
+    async def __aenter__(self) -> _Pacer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        for task in self._tasks:
+            if not task.cancelled() and (exc := task.exception()) is not None:
+                log.warning("etcd watch stream write failed: %r", exc)
+
+    def burst(self, now: float, events: int) -> bool:
+        """Count ``events`` received at ``now``; True when the watch is in a burst and should pause."""
+        if self._settings.burst_pause <= 0:
+            return False
+        if now - self._since > self._settings.burst_window:
+            self._since, self._count = now, 0
+        self._count += events
+        if self._count < self._settings.burst_events:
+            return False
+        self._since, self._count = -1e9, 0
+        return True
+
+    def start_probing(self) -> None:
+        self._spawn(self._probe(), "etcd watch probe")
+
+    def pause(self, watch_id: int, create: Message) -> None:
+        """Cancel ``watch_id`` now and write ``create`` after ``burst_pause`` s."""
+        self.cancelled.add(watch_id)
+        self._spawn(self._pause(watch_id, create), "etcd watch pause")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.create_task(work, name=name))
+
+    async def _write(self, request: Message) -> None:
+        async with self._lock:
+            await self._call.write(request)
+
+    async def _probe(self) -> None:
+        with contextlib.suppress(*_BROKEN):
+            while True:
+                await self._write(_PROGRESS)
+                await asyncio.sleep(self._settings.probe_interval)
+
+    async def _pause(self, watch_id: int, create: Message) -> None:
+        with contextlib.suppress(*_BROKEN):
+            await self._write(pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=watch_id)))
+            await asyncio.sleep(self._settings.burst_pause)
+            await self._write(create)
 
 
 _PROGRESS = pb.WatchRequest(progress_request=pb.WatchProgressRequest())

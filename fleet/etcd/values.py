@@ -38,8 +38,9 @@ class Event:
 class WatchBatch:
     """One watch response: the ``created`` one and progress notifications have no events.
 
-    ``revision`` is the response header's: every change up to it has been delivered, so a broken watch resumes
-    at ``revision + 1``. In the ``created`` batch it is etcd's current revision.
+    ``revision``: every change up to it has been delivered, so a broken watch resumes at ``revision + 1`` (the
+    last event's revision, or without events the response header's). In the ``created`` batch it is etcd's
+    current revision.
     """
 
     revision: int

@@ -39,17 +39,18 @@ class EjectionSettings:
     """Seconds before the first probe of an ejected node."""
     max_backoff: float = 30.0
     """Longest wait between probes."""
+    probe_rate: float = PROBE_RATE
+    """Probes of ejected nodes a second at most, over all nodes."""
 
 
 class Ejector:
     """Counts outcomes per node and runs the probes that bring ejected nodes back."""
 
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, settings: EjectionSettings, *,
-                 rate: float = PROBE_RATE) -> None:  # fmt: skip
+    def __init__(self, pool: Pool, client: httpx.AsyncClient, settings: EjectionSettings) -> None:
         self._pool = pool
         self._client = client
         self._settings = settings
-        self._schedule = Schedule(rate)
+        self._schedule = Schedule(settings.probe_rate)
         self._reinstated_at: dict[int, float] = {}
 
     def success(self, state: NodeState) -> None:

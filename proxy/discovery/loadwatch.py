@@ -42,7 +42,7 @@ SCRAPE_RATE = 250.0
 twice a second up to 100 nodes of models in demand; beyond that their figures age in proportion (README, "Scale")."""
 ROUTINE_SCRAPE_RATE = 50.0
 """Of which at most this many for nodes no request asked for lately, new ones, and those whose last scrape
-failed (these last, see ``Schedule``)."""
+failed (these last, see ``Schedule``); with ``--scrape-rate``, the same share of it."""
 MAX_BACKOFF = 30.0
 """Longest wait before asking again a node whose scrape failed (refused, timed out, not 200)."""
 ITL_WINDOW = 5.0
@@ -83,7 +83,7 @@ class LoadWatcher:
     routine rate, until it answers."""
 
     def __init__(self, pool: Pool, transport: Transport, interval: float, headers: dict[str, str] | None, *,
-                 rate: float = SCRAPE_RATE, routine_rate: float = ROUTINE_SCRAPE_RATE) -> None:  # fmt: skip
+                 rate: float = SCRAPE_RATE) -> None:  # fmt: skip
         self._pool = pool
         self._transport = transport
         self._interval = interval
@@ -91,7 +91,7 @@ class LoadWatcher:
         self._latency: dict[str, TokenLatency] = {}
         self._hit_rates: dict[str, TokenLatency] = {}
         self._backoff: dict[str, float] = {}
-        self._schedule = Schedule(rate, routine_rate=routine_rate)
+        self._schedule = Schedule(rate, routine_rate=rate * ROUTINE_SCRAPE_RATE / SCRAPE_RATE)
         pool.on_node(self._noticed)
         pool.on_demand(self._demanded)
 

@@ -23,7 +23,8 @@ PROBE_TIMEOUT = httpx.Timeout(5.0, connect=2.0)
 PROBE_RATE = 20.0
 """Probes a second at most, however many nodes there are (about 1 ms of CPU each through httpx)."""
 ROUTINE_PROBE_RATE = 10.0
-"""Of which at most this many for refreshes, and for new nodes that did not answer their first few probes."""
+"""Of which at most this many for refreshes, and for new nodes that did not answer their first few probes (with
+``--models-probe-rate``, the same share of it)."""
 EAGER_BACKOFF = 0.25
 """A new node is probed first (urgent) while its back-off is this short: its first 2 probes, 0.25 s apart; then
 it waits its back-off among the routine turns (a bare key written before its node is up)."""
@@ -44,13 +45,13 @@ class ModelProber:
     routable first, while they answer or are new (see ``Schedule``)."""
 
     def __init__(self, pool: Pool, client: httpx.AsyncClient, refresh: float, headers: dict[str, str] | None = None,
-                 *, rate: float = PROBE_RATE, routine_rate: float = ROUTINE_PROBE_RATE) -> None:  # fmt: skip
+                 *, rate: float = PROBE_RATE) -> None:  # fmt: skip
         self._pool = pool
         self._client = client
         self._refresh = refresh
         self._headers = headers
         self._backoff: dict[str, float] = {}
-        self._schedule = Schedule(rate, routine_rate=routine_rate)
+        self._schedule = Schedule(rate, routine_rate=rate * ROUTINE_PROBE_RATE / PROBE_RATE)
         pool.on_node(self._noticed)
 
     def _noticed(self, state: NodeState) -> None:

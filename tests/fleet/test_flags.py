@@ -85,3 +85,20 @@ def test_both_programs_take_the_silence_bound_and_keepalive_from_flags_or_enviro
         parse_command_line([*REGISTRAR, "--etcd-keepalive-time", "2"])
     with pytest.raises(UsageError, match="--etcd-dead-after"):
         parse_command_line([*REGISTRAR, "--etcd-dead-after", "0"])
+
+
+def test_the_proxys_background_rates_and_burst_pause_come_from_flags_and_must_be_positive(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    defaults = parse_settings(PROXY)
+    assert (defaults.scrape_rate, defaults.models_probe_rate, defaults.ejection.probe_rate) == (250.0, 20.0, 20.0)
+    assert defaults.etcd is not None and defaults.etcd.burst_pause == 0.2
+    monkeypatch.setenv("VLLM_PROXY_SCRAPE_RATE", "40")
+    flags = ["--models-probe-rate", "5", "--eject-probe-rate", "2", "--etcd-burst-pause", "0"]
+    settings = parse_settings([*PROXY, *flags])
+    assert (settings.scrape_rate, settings.models_probe_rate, settings.ejection.probe_rate) == (40.0, 5.0, 2.0)
+    assert settings.etcd is not None and settings.etcd.burst_pause == 0.0
+    for flag in ("--scrape-rate", "--models-probe-rate", "--eject-probe-rate"):
+        with pytest.raises(SystemExit):
+            parse_settings([*PROXY, flag, "0"])
+        assert f"{flag} must be more than 0" in capsys.readouterr().err
