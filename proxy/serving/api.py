@@ -44,6 +44,7 @@ from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.serving.routes import Kind, classify, metric_route, response_id_of
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy, Ticket
 from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace, Tracer, split_trace_headers
 
 FORWARDED_METHODS = frozenset(["GET", "POST", "PUT", "PATCH", "DELETE"])
@@ -67,8 +68,10 @@ class OpenAIRoutes:
         affinity: bool = False,
         websockets: ASGIApp | None = None,
         tracer: Tracer | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self._tracer = tracer
+        self._tenancy = tenancy
         self._websockets = websockets
         self._ids = ResponseIds(pool)
         self._affinity = affinity
@@ -119,13 +122,14 @@ class OpenAIRoutes:
         client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
         mode = "none"
         plan: ResumePlan | None = None
-        forwarded, model, tally, trace = client.forwarded, None, None, None
+        forwarded, model, tally, trace, body = client.forwarded, None, None, None, None
+        ticket: Ticket | None = None
         if self._tracer is not None:
             forwarded, parent = split_trace_headers(forwarded)
             trace = self._tracer.request(method=scope["method"], route=route, request_id=client.request_id,
                                          started=started, parent=parent)  # fmt: skip
         try:
-            self._keys.check(client.authorization)
+            limits = self._keys.check(client.authorization)
             if kind is Kind.NODE_ADMIN:
                 raise NodeAdminRefused(
                     f"{path} is a vLLM node-admin route: it acts on one node's engine, so the proxy never sends it "
@@ -157,8 +161,18 @@ class OpenAIRoutes:
                 if self._max_resumes and kind is Kind.GENERATE and body is not None and \
                         not_resumable(path, body) is None:  # fmt: skip
                     plan = self._resume_plan(request, body)
+            if self._tenancy is not None and (limits is not None or self._tenancy.queue is not None):
+                # Limits and the fair queue (tenancy/); None: the client left while queued.
+                ticket = await self._tenancy.admit(limits, model, body, len(raw), receive)
+                if ticket is None:
+                    self._metrics.client_disconnects.inc()
+                    self._metrics.request_done(route, mode, 499, started)
+                    return
+                send = ticket.wrap(send)
             self._limit.acquire()
         except ProxyError as exc:
+            if ticket is not None:
+                ticket.finish(exc.status)
             await send_error(send, exc, client.request_id, route=route)
             self._metrics.request_done(route, mode, exc.status, started)
             if trace is not None:
@@ -171,17 +185,20 @@ class OpenAIRoutes:
         finally:
             self._limit.release()
             self._metrics.request_done(route, mode, status, started)
-            if tally is not None or trace is not None:
-                self._done(status, model, started, tally, trace)
+            if tally is not None or trace is not None or ticket is not None:
+                self._done(status, model, started, tally, trace, ticket)
 
     def _done(self, status: int, model: str | None, started: float, tally: Tally | None,
-              trace: RequestTrace | None) -> None:  # fmt: skip
+              trace: RequestTrace | None, ticket: Ticket | None = None) -> None:  # fmt: skip
         """Per-model metrics and the request's span, once the answer is through."""
         prompt = completion = None
         if status == 200 and tally is not None and model is not None:
             if tally.tail:
                 prompt, completion = usage_of(tally.tail)
             self._metrics.generated(model, started, tally.first_at, tally.streamed, tally.chunks, prompt, completion)
+        if ticket is not None:
+            streamed, writes = (tally.streamed, tally.chunks) if tally is not None else (False, 0)
+            ticket.finish(status, prompt, completion, streamed, writes)
         if trace is not None:
             trace.usage(prompt, completion)
             trace.end(status, model)
