@@ -3,7 +3,7 @@ its own and every replica counts the keys of that folder (a discovery sink), its
 
 A replica that dies stops refreshing its lease and leaves the count within the TTL; one that is cut off from
 etcd keeps the count it last saw (and its key expires for the others, who then enforce a larger share until it
-is back). Without etcd the count is 1.
+is back). Without etcd the count is the replica's ``--workers`` (each worker is a replica of its own).
 """
 
 from __future__ import annotations
@@ -33,18 +33,19 @@ def replica_id() -> str:
 
 
 class ReplicaCount:
-    """The live replicas, from the ``replicas/`` folder (a ``KeySink``); ``count`` is at least 1 (this one)."""
+    """The live replicas, from the ``replicas/`` folder (a ``KeySink``); ``count`` is at least ``least``."""
 
-    def __init__(self, me: str, on_change: Callable[[int], None] | None = None) -> None:
+    def __init__(self, me: str, on_change: Callable[[int], None] | None = None, *, least: int = 1) -> None:
         self.me = me
         self._names: set[str] = set()
-        self.count = 1
+        self._least = least
+        self.count = least
         self._on_change = on_change
         if on_change is not None:
-            on_change(1)
+            on_change(least)
 
     def _update(self) -> None:
-        count = len(self._names | {self.me})
+        count = max(self._least, len(self._names | {self.me}))
         if count != self.count:
             log.info("replicas sharing the limits: %d", count)
             if self._on_change is not None:

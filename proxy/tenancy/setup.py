@@ -51,7 +51,7 @@ def build_tenancy(settings: ProxySettings, keys: KeySet, registry: CollectorRegi
         key_file = KeyFile(settings.api_key_file, keys, invalid)
         key_file.load()
     me = replica_id()
-    replicas = ReplicaCount(me, metrics.replicas.set)
+    replicas = ReplicaCount(me, metrics.replicas.set, least=settings.workers if etcd is None else 1)
     queue = None
     if settings.queue_timeout > 0:
         recheck = settings.scrape_load if settings.scrape_load > 0 else 1.0
