@@ -21,14 +21,15 @@ _KINDS = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
 class Ticket:
     """One admitted request: ``wrap`` adds the ``x-ratelimit-*`` headers, ``finish`` ends it (once)."""
 
-    __slots__ = ("_tenancy", "_grant", "_model", "_tenant", "_estimate", "_done")
+    __slots__ = ("_tenancy", "_grant", "_model", "_tenant", "_prompt_estimate", "_done")
 
-    def __init__(self, tenancy: Tenancy, grant: Grant | None, model: str | None, tenant: str, estimate: int) -> None:
+    def __init__(self, tenancy: Tenancy, grant: Grant | None, model: str | None, tenant: str,
+                 prompt_estimate: int) -> None:  # fmt: skip
         self._tenancy = tenancy
         self._grant = grant
         self._model = model
         self._tenant = tenant
-        self._estimate = estimate
+        self._prompt_estimate = prompt_estimate
         self._done = False
 
     def wrap(self, send: Send) -> Send:
@@ -49,12 +50,14 @@ class Ticket:
         if self._done:
             return
         self._done = True
-        tokens = 0
-        if 200 <= status < 300:
+        tokens: int | None = 0
+        if status == 499:
+            tokens = None  # the client left mid-way: what the node spent is unknown, the estimate stands
+        elif 200 <= status < 300:
             if completion is None and streamed:
                 completion = writes  # vLLM sends about one token per event
             if prompt is None:
-                prompt = self._estimate
+                prompt = self._prompt_estimate
             tokens = prompt + (completion or 0)
         if self._grant is not None:
             self._grant.finish(tokens)
@@ -132,4 +135,4 @@ class Tenancy:
             if waited > 0.0005:
                 metrics.child(metrics.queue_wait, tenant).observe(waited)
         metrics.child(metrics.requests, tenant).inc()
-        return Ticket(self, grant, model, tenant, estimate)
+        return Ticket(self, grant, model, tenant, raw_length // 4)
