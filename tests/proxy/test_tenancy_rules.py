@@ -116,3 +116,28 @@ async def test_the_queue_serves_higher_priority_first_then_tenants_by_share() ->
             await asyncio.sleep(0)
     await asyncio.gather(*tasks)
     assert served == ["urgent", "b1", "s1", "b2", "b3", "s2", "b4"]
+
+
+def test_a_reload_keeps_the_counters_of_a_tenant_that_still_exists() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
+    from vllm_etcd_proxy.proxy.tenancy.metrics import TenantMetrics
+    from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaCount
+
+    keys = KeySet()
+    keys.set_file(dict([parse_line("a-key tenant=a rpm=2"), parse_line("b-key tenant=b rpm=2")]))
+    tenancy = Tenancy(keys, ReplicaCount("me"), None, TenantMetrics(CollectorRegistry()))
+
+    async def admit_one(key: str) -> None:
+        await tenancy.admit(keys.check(f"Bearer {key}"), "m", None, 10, _never)
+
+    asyncio.run(admit_one("a-key"))
+    asyncio.run(admit_one("a-key"))
+    keys.set_file(dict([parse_line("a-key2 tenant=a rpm=2")]))  # a new key of tenant a; tenant b is gone
+    with pytest.raises(RateLimited):
+        asyncio.run(admit_one("a-key2"))  # tenant a's minute is still spent
+
+
+async def _never() -> dict[str, object]:
+    return await asyncio.get_running_loop().create_future()

@@ -221,13 +221,33 @@ def test_a_key_put_in_etcd_applies_on_every_replica_without_a_restart(replicas: 
         )
         assert replica.post("/v1/chat/completions", json=chat(), headers=auth("etcd-key")).status_code == 429
         assert metric(replica, "vllm_proxy_invalid_keys_total", source="etcd") >= 1
+    # The limits change and the key goes while a request under it is in flight: that request finishes.
+    results: list[int] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{replicas[1].url}/v1/chat/completions", json=chat(900, stream=True),
+                          headers=auth("etcd-key"), timeout=30) as answer:  # fmt: skip
+            for _ in answer.iter_lines():
+                streaming.set()
+            results.append(answer.status_code)
+
+    etcd_server.etcdctl("put", key, json.dumps({"tenant": "etcd-team", "concurrency": 4}))
+    wait_until(lambda: replicas[1].post("/v1/chat/completions", json=chat(),
+                                        headers=auth("etcd-key")).status_code == 200, 10, "the new limit")  # fmt: skip
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert streaming.wait(10)
     etcd_server.etcdctl("del", key)
+    assert thread.is_alive(), f"the stream should still be going: {results}"
     for replica in replicas:
         wait_until(
             lambda r=replica: r.post("/v1/chat/completions", json=chat(), headers=auth("etcd-key")).status_code == 401,
             10,
             "the etcd key gone",
         )
+    thread.join(30)
+    assert results == [200]
 
 
 def test_a_replica_that_joins_or_leaves_changes_every_replicas_share(
