@@ -5,8 +5,9 @@ queue holds ``--queue-when-waiting`` requests or more (counting, while the node 
 last scrape, what this replica sent it since). A model is full when every candidate node of a role its
 requests need is full. Its waiting requests are served most urgent priority first (lower number, as vLLM's
 ``priority``), and within a priority tenant by tenant in turn, a tenant with ``share=N`` getting N turns to a
-share-1 tenant's one (stride scheduling). A turn is given when one of the model's requests ends, and while the
-queue is not empty again every ``recheck`` seconds (a load scrape may show room): no busy polling.
+share-1 tenant's one (stride scheduling). A turn is given when one of the model's requests ends, when a load
+scrape of one of its nodes comes in, and, while something waits, every ``recheck`` seconds (for what changes
+without an event: a node back from ejection or from a busy spell); no busy polling.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class FairQueue:
         self._seen: dict[str, tuple[float, int]] = {}
         """Per node: (time of the scrape this replica last saw, its in-flight count then)."""
         self._timer: asyncio.TimerHandle | None = None
+        self._queued = 0
+        pool.on_load(self._scraped)
 
     def depth(self, model: str) -> int:
         queue = self._models.get(model)
@@ -166,8 +169,16 @@ class FairQueue:
         if model in self._models and self._models[model].depth:
             self._dispatch(model)
 
+    def _scraped(self, state: NodeState) -> None:
+        """A node's load was scraped: it may have room for its models' waiting requests."""
+        if self._queued:
+            for model in state.models:
+                if self.depth(model):
+                    self._dispatch(model)
+
     def _depth(self, model: str, queue: _ModelQueue, change: int) -> None:
         queue.depth += change
+        self._queued += change
         self._on_depth(model, change)
         if queue.depth and self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._settings.recheck, self._recheck)

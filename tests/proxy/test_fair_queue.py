@@ -150,3 +150,31 @@ def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503_with_retry_
         holder.thread.join(30)
     finally:
         short.stop()
+
+
+def test_a_node_whose_scraped_queue_is_at_the_threshold_is_full_until_a_scrape_shows_room(
+    logs: Path, node: SimNode, other: SimNode
+) -> None:
+    watcher = ProxyProc(logs, "--mixed", node.host_port, other.host_port, "--queue-timeout", "20",
+                        "--queue-when-waiting", "1", "--scrape-load", "0.1", name="waiting-proxy")  # fmt: skip
+    try:
+        watcher.wait_routable("mixed", node.host_port)
+
+        def scraped_waiting() -> int:
+            (worker,) = [w for w in watcher.workers() if w["id"] == node.host_port]
+            return int((worker["node_load"] or {}).get("waiting", -1))
+
+        holder = Holder(watcher, node, "holder-5", tokens=150)
+        results: dict[str, int] = {}
+        second = send(watcher, "second", results)  # the node's queue has room for one: it goes there
+        node.wait_for_request(request_id="second", state="waiting")
+        wait_until(lambda: scraped_waiting() == 1, 10, "a scrape that sees the node's queue")
+        third = send(watcher, "third", results)  # now the node counts as full: it waits in the replica
+        wait_until(lambda: metric(watcher, "vllm_proxy_queue_depth", model=MODEL) == 1, 10, "third queued")
+        assert not any(r["request_id"] == "third" for r in node.requests())
+        for thread in (holder.thread, second, third):
+            thread.join(30)
+        assert results == {"second": 200, "third": 200}
+        assert metric(watcher, "vllm_proxy_queue_depth", model=MODEL) == 0
+    finally:
+        watcher.stop()
