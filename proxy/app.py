@@ -19,9 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_etcd_proxy.fleet.adapters import FOLDER as ADAPTERS
 from vllm_etcd_proxy.fleet.etcd import EtcdClient
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
+from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
 from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
@@ -37,6 +39,8 @@ from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
+from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
@@ -87,9 +91,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class ProxyApp:
     """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens) -> None:
         self._app = app
         self.lifecycle = lifecycle
+        self.prompt_tokens = prompt_tokens
+        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
@@ -135,10 +141,15 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     keys = ClientKeys(settings.api_keys)
     tenancy = build_tenancy(settings, keys, registry, pool, etcd, layout)  # keys' tenants, limits, fair queue
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
+    prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
+                                                                        if model in s.cards], registry)  # fmt: skip
+    adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
+    loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         http.prepare_tls()
+        prompt_tokens.start()
         if tracer is not None:
             tracer.start()
 
@@ -157,7 +168,8 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state, sinks=tenancy.sinks)
+            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state,
+                                  sinks={ADAPTERS: adapters, **tenancy.sinks})  # fmt: skip
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         tasks += [asyncio.create_task(run(), name="tenancy") for run in tenancy.tasks]
         deadline = time.monotonic() + wait_ready
@@ -167,12 +179,14 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         try:
             yield
         finally:
+            loader.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
+            prompt_tokens.close()
             http.close()
             scrapes.close()
             if tracer is not None:
@@ -198,7 +212,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             allowed=settings.admin_allow,
             backend_auth=backend_auth,
         ).routes(),  # fmt: skip
-        *ModelRoutes(pool, keys).routes(),
+        *ModelRoutes(pool, keys, adapters).routes(),
         *DashboardRoutes().routes(),
     ]
     operator_app = Starlette(
@@ -209,5 +223,5 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer, tenancy=tenancy.tenancy)  # fmt: skip
-    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)
+                          tracer=tracer, adapters=loader, tenancy=tenancy.tenancy)  # fmt: skip
+    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

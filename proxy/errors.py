@@ -11,6 +11,7 @@ ProxyError                      -> its ``status``; body ``{"error": {"message", 
 ├── RequestTimeout       408    the body took longer than --body-timeout
 ├── PayloadTooLarge      413
 ├── HeadersTooLarge      431
+├── ClientLeft           499    the client went away while its request was queued (nothing is sent)
 ├── RateLimited          429    a key over its rpm, tpm or concurrency (``Retry-After``, ``x-ratelimit-*``)
 ├── ServiceUnavailable   503    a dependency (etcd) is unreachable (``Retry-After``)
 │   ├── NoNodeAvailable  503    nothing routable now
@@ -136,6 +137,11 @@ class HeadersTooLarge(ProxyError):
     status = 431
     type = "invalid_request_error"
     code = "headers_too_large"
+
+
+class ClientLeft(ProxyError):
+    status = 499
+    code = "client_left"
 
 
 class RateLimited(ProxyError):

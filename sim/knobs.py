@@ -28,6 +28,9 @@ class Knobs:
     """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
     scaling: bool
     """While true, every request but /sim/* is answered 503 as by vLLM's elastic-EP scaling (``scaling.py``)."""
+    lora_swap_time: float
+    lora_load_time: float
+    lora_load_fail: int
 
     @classmethod
     def from_settings(cls, settings: SimSettings) -> Knobs:

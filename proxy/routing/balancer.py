@@ -270,3 +270,45 @@ def make_policy(name: str) -> Policy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
+
+
+# -- LoRA adapters (issue 19) ----------------------------------------------------------------------------------
+
+ADAPTER_SLACK = 4
+"""Requests more than the least loaded candidate a node may carry and still be preferred for its adapter."""
+
+
+def prefer_adapter(candidates: list[NodeState], adapter: str) -> list[NodeState]:
+    """The candidates for a request of LoRA adapter ``adapter`` that the policy then chooses among: those where
+    it is active (running in the node's ``vllm:lora_requests_info``: waiting there means the node's slots are
+    taken, no reason to send more); else, of those with a free
+    adapter slot, its home node (ranked first by a hash of adapter and node, alike on every replica, so that an
+    adapter comes back to the node that still holds it in a slot), then all of those; else all. A choice is
+    skipped when even its least loaded node carries ``ADAPTER_SLACK`` more requests than the least loaded
+    candidate (the adapter then spreads rather than queue on its nodes). Candidates none of which shows the gauge
+    (no LoRA, or no --scrape-load) are left as they are."""
+    if len(candidates) <= 1 or all(s.max_loras is None for s in candidates):
+        return candidates
+
+    def tier(state: NodeState) -> int:
+        if adapter in state.lora_running:
+            return 0
+        slots = state.max_loras
+        # Requests of some adapter waiting there: its slots are taken, however many the gauge says run.
+        return 1 if slots is None or (len(state.lora_running) < slots and not state.lora_waiting) else 2
+
+    loads = {id(s): node_load(s) for s in candidates}
+    bound = min(loads.values()) + ADAPTER_SLACK
+    tiers = [tier(s) for s in candidates]
+    active = [s for s, t in zip(candidates, tiers, strict=True) if t == 0]
+    if active and min(loads[id(s)] for s in active) < bound:
+        return active
+    free = [s for s, t in zip(candidates, tiers, strict=True) if t == 1]
+    if free:
+        home = max(free, key=lambda s: _stable_hash(f"{adapter}#{s.node.node_id}"))
+        if loads[id(home)] < bound:
+            return [home]
+        either = active + free
+        if len(either) < len(candidates) and min(loads[id(s)] for s in either) < bound:
+            return either
+    return candidates

@@ -20,11 +20,13 @@ from typing import Any, NamedTuple
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_etcd_proxy.fleet.adapters import Adapter
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
-from vllm_etcd_proxy.proxy.errors import ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
+from vllm_etcd_proxy.proxy.errors import ClientLeft, ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
+from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
 from vllm_etcd_proxy.proxy.serving.forms import media_type, multipart_field, urlencoded_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
@@ -68,9 +70,11 @@ class OpenAIRoutes:
         affinity: bool = False,
         websockets: ASGIApp | None = None,
         tracer: Tracer | None = None,
+        adapters: AdapterLoader | None = None,
         tenancy: Tenancy | None = None,
     ) -> None:
         self._tracer = tracer
+        self._adapters = adapters
         self._tenancy = tenancy
         self._websockets = websockets
         self._ids = ResponseIds(pool)
@@ -112,7 +116,10 @@ class OpenAIRoutes:
             return
         if any(model in s.models for s in self._pool.all()):
             raise NoNodeAvailable(f"no node is available for model {model!r} right now; retry shortly")
-        known = ", ".join(self._pool.models()) or "none"
+        served = self._pool.models()
+        if self._adapters is not None:  # registered LoRA adapters are known models too (issue 19)
+            served = sorted({*served, *(a.name for a in self._adapters.listed(served))})
+        known = ", ".join(served) or "none"
         raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind) -> None:
@@ -162,17 +169,13 @@ class OpenAIRoutes:
                         not_resumable(path, body) is None:  # fmt: skip
                     plan = self._resume_plan(request, body)
             if self._tenancy is not None and (limits is not None or self._tenancy.queue is not None):
-                # Limits and the fair queue (tenancy/); None: the client left while queued.
-                ticket = await self._tenancy.admit(limits, model, body, len(raw), receive)
-                if ticket is None:
-                    self._metrics.client_disconnects.inc()
-                    self._metrics.request_done(route, mode, 499, started)
-                    return
-                send = ticket.wrap(send)
+                ticket, send = await self._tenancy.admit(limits, model, body, len(raw), receive, send)
             self._limit.acquire()
         except ProxyError as exc:
             if ticket is not None:
                 ticket.finish(exc.status)
+            if isinstance(exc, ClientLeft):
+                self._metrics.client_disconnects.inc()
             await send_error(send, exc, client.request_id, route=route)
             self._metrics.request_done(route, mode, exc.status, started)
             if trace is not None:
@@ -197,8 +200,7 @@ class OpenAIRoutes:
                 prompt, completion = usage_of(tally.tail)
             self._metrics.generated(model, started, tally.first_at, tally.streamed, tally.chunks, prompt, completion)
         if ticket is not None:
-            streamed, writes = (tally.streamed, tally.chunks) if tally is not None else (False, 0)
-            ticket.finish(status, prompt, completion, streamed, writes)
+            ticket.finish(status, prompt, completion, tally)
         if trace is not None:
             trace.usage(prompt, completion)
             trace.end(status, model)
@@ -278,15 +280,29 @@ class OpenAIRoutes:
                                         affinity=request.affinity, avoid=avoid, trace=request.trace)  # fmt: skip
 
             return "disagg", disaggregated
+        if self._adapters is not None and (adapter := self._adapters.registered(model)) is not None:
+            return "mixed", self._adapter_leg(request, raw, adapter, avoid)
         self._check_routable(model, _MIXED_ROLES)
         return "mixed", self._one_leg(request, raw, _MIXED_ROLES, avoid)
+
+    def _adapter_leg(self, request: _Request, raw: bytes, adapter: Adapter,
+                     avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
+        """A registered LoRA adapter's request: loaded on a node first when none has it (serving/adapters.py)."""
+        assert self._adapters is not None
+        loader, one_leg = self._adapters, self._one_leg(request, raw, _MIXED_ROLES, avoid)
+
+        async def adapted() -> Upstream | ErrorAnswer:
+            return await with_adapter(loader, adapter, one_leg)
+
+        return adapted
 
     def _one_leg(self, request: _Request, raw: bytes, roles: tuple[Role, ...],
                  avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
         # Not disaggregated: the body goes to the node byte for byte.
         leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method,
-                  trace=request.trace)  # fmt: skip
+                  trace=request.trace,
+                  prefer=self._adapters.prefer(request.model) if self._adapters is not None else None)  # fmt: skip
         return self._open(leg, avoid)
 
 

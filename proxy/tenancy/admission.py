@@ -4,16 +4,24 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Send
 
-from vllm_etcd_proxy.proxy.errors import QueueTimeout, RateLimited
+from vllm_etcd_proxy.proxy.errors import ClientLeft, QueueTimeout, RateLimited
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet, Limits
 from vllm_etcd_proxy.proxy.tenancy.limits import Grant, TenantCounters, admit, estimate_tokens
 from vllm_etcd_proxy.proxy.tenancy.metrics import OPEN, TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue
 from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaCount
+
+
+class Relayed(Protocol):
+    """What the relay saw of an answer (serving's ``Tally``)."""
+
+    streamed: bool
+    chunks: int
+
 
 _KINDS = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
 
@@ -44,9 +52,10 @@ class Ticket:
 
         return with_headers
 
-    def finish(self, status: int, prompt: int | None = None, completion: int | None = None, streamed: bool = False,
-               writes: int = 0) -> None:  # fmt: skip
-        """The request ended with ``status``; ``prompt``/``completion``: its answer's ``usage`` where it had one."""
+    def finish(self, status: int, prompt: int | None = None, completion: int | None = None,
+               tally: Relayed | None = None) -> None:  # fmt: skip
+        """The request ended with ``status``; ``prompt``/``completion``: its answer's ``usage`` where it had one,
+        ``tally``: what the relay saw of it."""
         if self._done:
             return
         self._done = True
@@ -54,8 +63,8 @@ class Ticket:
         if status == 499:
             tokens = None  # the client left mid-way: what the node spent is unknown, the estimate stands
         elif 200 <= status < 300:
-            if completion is None and streamed:
-                completion = writes  # vLLM sends about one token per event
+            if completion is None and tally is not None and tally.streamed:
+                completion = tally.chunks  # vLLM sends about one token per event
             if prompt is None:
                 prompt = self._prompt_estimate
             tokens = prompt + (completion or 0)
@@ -97,8 +106,9 @@ class Tenancy:
         return counters
 
     async def admit(self, limits: Limits | None, model: str | None, body: dict[str, Any] | None, raw_length: int,
-                    receive: Receive) -> Ticket | None:  # fmt: skip
-        """Admit the request or raise ``RateLimited``/``QueueTimeout``; None when its client left while queued."""
+                    receive: Receive, send: Send) -> tuple[Ticket, Send]:  # fmt: skip
+        """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while queued);
+        returns its ticket, and ``send`` with the ``x-ratelimit-*`` headers added when the key has limits."""
         metrics = self.metrics
         tenant = limits.tenant if limits is not None else OPEN
         estimate = estimate_tokens(raw_length, body)
@@ -131,8 +141,9 @@ class Tenancy:
                 metrics.child(metrics.queue_left, tenant).inc()
                 if grant is not None:
                     grant.finish(0)
-                return None
+                raise ClientLeft("the client left while its request was queued")
             if waited > 0.0005:
                 metrics.child(metrics.queue_wait, tenant).observe(waited)
         metrics.child(metrics.requests, tenant).inc()
-        return Ticket(self, grant, model, tenant, raw_length // 4)
+        ticket = Ticket(self, grant, model, tenant, raw_length // 4)
+        return ticket, ticket.wrap(send)

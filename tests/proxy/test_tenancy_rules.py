@@ -130,7 +130,7 @@ def test_a_reload_keeps_the_counters_of_a_tenant_that_still_exists() -> None:
     tenancy = Tenancy(keys, ReplicaCount("me"), None, TenantMetrics(CollectorRegistry()))
 
     async def admit_one(key: str) -> None:
-        await tenancy.admit(keys.check(f"Bearer {key}"), "m", None, 10, _never)
+        await tenancy.admit(keys.check(f"Bearer {key}"), "m", None, 10, _never, _nowhere)
 
     asyncio.run(admit_one("a-key"))
     asyncio.run(admit_one("a-key"))
@@ -141,3 +141,7 @@ def test_a_reload_keeps_the_counters_of_a_tenant_that_still_exists() -> None:
 
 async def _never() -> dict[str, object]:
     return await asyncio.get_running_loop().create_future()
+
+
+async def _nowhere(message: object) -> None:
+    pass
