@@ -46,6 +46,7 @@ from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
 from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tenancy.setup import build_tenancy
 from vllm_etcd_proxy.proxy.tracing.spans import make_tracer
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
@@ -138,6 +139,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth, rate=settings.models_probe_rate)
     keys = ClientKeys(settings.api_keys)
+    tenancy = build_tenancy(settings, keys, registry, pool, etcd, layout)  # keys' tenants, limits, fair queue
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
     prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
                                                                         if model in s.cards], registry)  # fmt: skip
@@ -166,8 +168,10 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth, rate=settings.scrape_rate)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state, sinks={ADAPTERS: adapters})
+            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state,
+                                  sinks={ADAPTERS: adapters, **tenancy.sinks})  # fmt: skip
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
+        tasks += [asyncio.create_task(run(), name="tenancy") for run in tenancy.tasks]
         deadline = time.monotonic() + wait_ready
         while (time.monotonic() < deadline and not lifecycle.shutting_down
                and not_ready_reason(lifecycle, discovery_state, pool) is not None):  # fmt: skip
@@ -219,5 +223,5 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer, adapters=loader)  # fmt: skip
+                          tracer=tracer, adapters=loader, tenancy=tenancy.tenancy)  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

@@ -69,7 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="networks /instances/add may point at (repeatable; default any)")  # fmt: skip
     add("--api-key", nargs="+", action="extend", default=[], help="client API key required on /v1/* (repeatable; "
         "VLLM_PROXY_API_KEY takes a comma-separated list); default: open")  # fmt: skip
-    add("--api-key-file", help="file with one client API key per line (# comments allowed)")
+    add("--api-key-file", help="client keys, one a line: KEY [tenant=NAME] [rpm=N] [tpm=N] [concurrency=N] "
+        "[priority=N] [share=N] (# comments allowed); reloaded on SIGHUP")  # fmt: skip
+    add("--queue-timeout", type=float, default=0.0, help="seconds a request may wait in the replica, queued fairly "
+        "by tenant and priority, while every node of its model is full; then 503 (default 0: no queue, requests "
+        "go to the nodes' own queues)")  # fmt: skip
+    add("--queue-when-waiting", type=int, default=0, help="with --queue-timeout: a node whose scraped waiting "
+        "queue holds N requests counts as full, as one this replica has --max-connections open on (default 0: "
+        "off)")  # fmt: skip
     add("--backend-api-key", help="key sent to nodes started with vLLM's --api-key (default: pass the client's)")
     add("--max-concurrent-requests", type=int, default=0, help="in-flight requests before 503 (default 0: no limit)")
     add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
@@ -144,17 +151,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    keys = list(args.api_key)
-    if args.api_key_file:
-        try:
-            with open(args.api_key_file, encoding="utf-8") as handle:
-                keys += [line.strip() for line in handle if line.strip() and not line.startswith("#")]
-        except OSError as exc:
-            raise ValueError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
-    return tuple(keys)
-
-
 def tokenizer_flag(spec: str) -> tuple[str, str]:
     """``MODEL=PATH_OR_HUB_ID`` of --tokenizer."""
     model, sep, source = spec.partition("=")
@@ -180,7 +176,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         host=args.host, port=args.port, etcd=etcd, etcd_prefix=args.etcd_prefix, cluster=args.cluster,
         prefill=tuple(args.prefill), decode=tuple(args.decode), mixed=tuple(args.mixed), models=tuple(args.model),
         admin_key=args.admin_key or None, admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
-        api_keys=api_keys(args), backend_api_key=args.backend_api_key or None,
+        api_keys=tuple(args.api_key), api_key_file=args.api_key_file or None, queue_timeout=args.queue_timeout,
+        queue_when_waiting=args.queue_when_waiting, backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
         max_header_bytes=args.max_header_bytes,
         policies=tuple((r, getattr(args, f"{r}_policy") or args.policy or DEFAULT_POLICIES[r])
@@ -303,6 +300,8 @@ def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
     sock = listening_socket(settings.host, settings.port, reuse_port=reuse_port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    if settings.api_key_file:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the app's own handler reloads the key file
     DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.lifecycle).run(sockets=[sock])
 
 

@@ -11,8 +11,11 @@ ProxyError                      -> its ``status``; body ``{"error": {"message", 
 ├── RequestTimeout       408    the body took longer than --body-timeout
 ├── PayloadTooLarge      413
 ├── HeadersTooLarge      431
+├── ClientLeft           499    the client went away while its request was queued (nothing is sent)
+├── RateLimited          429    a key over its rpm, tpm or concurrency (``Retry-After``, ``x-ratelimit-*``)
 ├── ServiceUnavailable   503    a dependency (etcd) is unreachable (``Retry-After``)
-│   └── NoNodeAvailable  503    nothing routable now
+│   ├── NoNodeAvailable  503    nothing routable now
+│   └── QueueTimeout     503    waited --queue-timeout for a full model's nodes
 ├── UpstreamFailed       502    every attempt failed before a byte reached the client
 └── UpstreamTimeout      504    a configured timeout fired
 
@@ -136,6 +139,22 @@ class HeadersTooLarge(ProxyError):
     code = "headers_too_large"
 
 
+class ClientLeft(ProxyError):
+    status = 499
+    code = "client_left"
+
+
+class RateLimited(ProxyError):
+    """OpenAI's answer over a limit: ``type`` says which kind ("requests", "tokens", "concurrency")."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, kind: str, headers: dict[str, str]):
+        super().__init__(message, headers=headers)
+        self.type = kind
+
+
 class ServiceUnavailable(ProxyError):
     status = 503
     type = "service_unavailable"
@@ -147,6 +166,10 @@ class ServiceUnavailable(ProxyError):
 
 class NoNodeAvailable(ServiceUnavailable):
     code = "no_available_node"
+
+
+class QueueTimeout(ServiceUnavailable):
+    code = "queue_timeout"
 
 
 class UpstreamFailed(ProxyError):

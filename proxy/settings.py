@@ -53,6 +53,13 @@ class ProxySettings:
     """Networks allowed as /instances/add targets; empty allows any address."""
     api_keys: tuple[str, ...] = ()
     """Client keys for /v1/*, /tokenize, /detokenize; empty leaves them open."""
+    api_key_file: str | None = None
+    """``--api-key-file``: a key per line with its tenant and limits (tenancy/keys.py); reloaded on SIGHUP."""
+    queue_timeout: float = 0.0
+    """Seconds a request may wait in this replica while every node of its model is full (then 503); 0: no queue."""
+    queue_when_waiting: int = 0
+    """With the queue on, a node whose scraped waiting queue holds this many counts as full (0: only
+    --max-connections makes a node full)."""
     backend_api_key: str | None = None
     """Key sent to nodes started with vLLM's --api-key; None passes the client's Authorization through."""
     max_concurrent: int = 0

@@ -39,6 +39,7 @@ class Pool:
         """Routable nodes per model name."""
         self._listeners: list[Callable[[NodeState], None]] = []
         self._demand_listeners: list[Callable[[str], None]] = []
+        self._load_listeners: list[Callable[[NodeState], None]] = []
         self._asked_at: dict[str, float] = {}
         self.version = 0
 
@@ -47,6 +48,10 @@ class Pool:
     def on_node(self, listener: Callable[[NodeState], None]) -> None:
         """Call ``listener(state)`` for a node that was added, or whose record, models or routability changed."""
         self._listeners.append(listener)
+
+    def on_load(self, listener: Callable[[NodeState], None]) -> None:
+        """Call ``listener(state)`` after each load scrape of a node (the fair queue looks for room then)."""
+        self._load_listeners.append(listener)
 
     def on_demand(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(model)`` when a model is asked for after ``DEMAND_WINDOW`` seconds without a request."""
@@ -183,6 +188,8 @@ class Pool:
         """The node's own figures from its /metrics (every replica's requests, not only ours), scraped at ``at``."""
         state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
         state.load_at = at
+        for listener in self._load_listeners:
+            listener(state)
 
     def set_lora(self, state: NodeState, running: frozenset[str], waiting: frozenset[str], slots: int | None) -> None:
         """The node's adapters with running and waiting requests, and its slots (``vllm:lora_requests_info``)."""

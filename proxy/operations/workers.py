@@ -81,9 +81,16 @@ class _Supervisor:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._stop.set()
 
+    def _forward_hup(self, signum: int, frame: FrameType | None) -> None:
+        for process in self._workers:  # each worker reloads its --api-key-file
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGHUP)
+
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._forward_hup)
         self._workers = [self._start(i) for i in range(self._settings.workers)]
         backoff = [RESTART_BACKOFF[0]] * len(self._workers)
         restart_at = [0.0] * len(self._workers)

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from vllm_etcd_proxy.fleet.adapters import Adapter
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
-from vllm_etcd_proxy.proxy.errors import ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
+from vllm_etcd_proxy.proxy.errors import ClientLeft, ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
@@ -46,6 +46,7 @@ from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.serving.routes import Kind, classify, metric_route, response_id_of
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy, Ticket
 from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace, Tracer, split_trace_headers
 
 FORWARDED_METHODS = frozenset(["GET", "POST", "PUT", "PATCH", "DELETE"])
@@ -70,9 +71,11 @@ class OpenAIRoutes:
         websockets: ASGIApp | None = None,
         tracer: Tracer | None = None,
         adapters: AdapterLoader | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self._tracer = tracer
         self._adapters = adapters
+        self._tenancy = tenancy
         self._websockets = websockets
         self._ids = ResponseIds(pool)
         self._affinity = affinity
@@ -126,13 +129,14 @@ class OpenAIRoutes:
         client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
         mode = "none"
         plan: ResumePlan | None = None
-        forwarded, model, tally, trace = client.forwarded, None, None, None
+        forwarded, model, tally, trace, body = client.forwarded, None, None, None, None
+        ticket: Ticket | None = None
         if self._tracer is not None:
             forwarded, parent = split_trace_headers(forwarded)
             trace = self._tracer.request(method=scope["method"], route=route, request_id=client.request_id,
                                          started=started, parent=parent)  # fmt: skip
         try:
-            self._keys.check(client.authorization)
+            limits = self._keys.check(client.authorization)
             if kind is Kind.NODE_ADMIN:
                 raise NodeAdminRefused(
                     f"{path} is a vLLM node-admin route: it acts on one node's engine, so the proxy never sends it "
@@ -164,8 +168,14 @@ class OpenAIRoutes:
                 if self._max_resumes and kind is Kind.GENERATE and body is not None and \
                         not_resumable(path, body) is None:  # fmt: skip
                     plan = self._resume_plan(request, body)
+            if self._tenancy is not None and (limits is not None or self._tenancy.queue is not None):
+                ticket, send = await self._tenancy.admit(limits, model, body, len(raw), receive, send)
             self._limit.acquire()
         except ProxyError as exc:
+            if ticket is not None:
+                ticket.finish(exc.status)
+            if isinstance(exc, ClientLeft):
+                self._metrics.client_disconnects.inc()
             await send_error(send, exc, client.request_id, route=route)
             self._metrics.request_done(route, mode, exc.status, started)
             if trace is not None:
@@ -178,17 +188,19 @@ class OpenAIRoutes:
         finally:
             self._limit.release()
             self._metrics.request_done(route, mode, status, started)
-            if tally is not None or trace is not None:
-                self._done(status, model, started, tally, trace)
+            if tally is not None or trace is not None or ticket is not None:
+                self._done(status, model, started, tally, trace, ticket)
 
     def _done(self, status: int, model: str | None, started: float, tally: Tally | None,
-              trace: RequestTrace | None) -> None:  # fmt: skip
+              trace: RequestTrace | None, ticket: Ticket | None = None) -> None:  # fmt: skip
         """Per-model metrics and the request's span, once the answer is through."""
         prompt = completion = None
         if status == 200 and tally is not None and model is not None:
             if tally.tail:
                 prompt, completion = usage_of(tally.tail)
             self._metrics.generated(model, started, tally.first_at, tally.streamed, tally.chunks, prompt, completion)
+        if ticket is not None:
+            ticket.finish(status, prompt, completion, tally)
         if trace is not None:
             trace.usage(prompt, completion)
             trace.end(status, model)

@@ -1,48 +1,18 @@
 """Who may use the OpenAI routes, how many requests a replica takes on at once, and how large headers may be.
 
 Client keys are optional: with none configured the API is open (the embedded default, like vLLM without
---api-key). Keys are compared in constant time and never logged.
+--api-key). The key set, its tenants and their limits live in ``tenancy/keys.py``; keys are never logged.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Iterable
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from vllm_etcd_proxy.proxy.errors import HeadersTooLarge, ServiceUnavailable, Unauthorized, render
+from vllm_etcd_proxy.proxy.errors import HeadersTooLarge, ServiceUnavailable, render
+from vllm_etcd_proxy.proxy.tenancy.bearer import bearer_token
+from vllm_etcd_proxy.proxy.tenancy.keys import KeySet as ClientKeys
 
-
-def bearer_token(authorization: str | bytes | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header value, else None."""
-    if not authorization:
-        return None
-    text = authorization.decode("latin-1") if isinstance(authorization, bytes) else authorization
-    scheme, _, token = text.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
-class ClientKeys:
-    """The set of valid client API keys; empty means no key is needed."""
-
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = tuple(k.encode() for k in dict.fromkeys(keys) if k)
-
-    def check(self, authorization: str | bytes | None) -> None:
-        """401 unless ``authorization`` is ``Bearer <one of the keys>``."""
-        if not self._keys:
-            return
-        token = bearer_token(authorization)
-        if token is None:
-            raise Unauthorized("an API key is required: send it as 'Authorization: Bearer <key>'")
-        given = token.encode()
-        # Compare against every key so timing does not tell which one (or whether any) nearly matched.
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(given, key)
-        if not matched:
-            raise Unauthorized("the API key is not valid")
+__all__ = ["ClientKeys", "ConcurrencyLimit", "HeaderLimit", "bearer_token"]
 
 
 class ConcurrencyLimit:

@@ -177,10 +177,11 @@ class Fleet:
     # -- observing -----------------------------------------------------------------------------------------
 
     def registered(self, via: Etcd | None = None) -> set[Pair]:
-        """(role, node id) of every key under the cluster prefix (asking ``via``, default the fleet's etcd)."""
+        """(role, node id) of every node key under the cluster prefix (asking ``via``, default the fleet's etcd);
+        the other folders there (``replicas/``, ``keys/``, ``adapters/``) hold no nodes."""
         keys = (via or self.etcd).etcdctl("get", PREFIX, "--prefix", "--keys-only").split()
         pairs = (key[len(PREFIX) :].split("/", 1) for key in keys)
-        return {(p[0], p[1]) for p in pairs if len(p) == 2}
+        return {(p[0], p[1]) for p in pairs if len(p) == 2 and p[0] in ("prefill", "decode", "mixed")}
 
     @staticmethod
     def pool(replica: ProxyProc, *, routable: bool = False) -> set[Pair]:

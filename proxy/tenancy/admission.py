@@ -1,0 +1,149 @@
+"""The request path's door to tenancy: ``Tenancy.admit`` applies the key's limits and the queue, and the
+``Ticket`` it returns ends the request (tokens charged, the queue's next turn given)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from starlette.types import Message, Receive, Send
+
+from vllm_etcd_proxy.proxy.errors import ClientLeft, QueueTimeout, RateLimited
+from vllm_etcd_proxy.proxy.tenancy.keys import KeySet, Limits
+from vllm_etcd_proxy.proxy.tenancy.limits import Grant, TenantCounters, admit, estimate_tokens
+from vllm_etcd_proxy.proxy.tenancy.metrics import OPEN, TenantMetrics
+from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue
+from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaCount
+
+
+class Relayed(Protocol):
+    """What the relay saw of an answer (serving's ``Tally``)."""
+
+    streamed: bool
+    chunks: int
+
+
+_KINDS = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
+
+
+class Ticket:
+    """One admitted request: ``wrap`` adds the ``x-ratelimit-*`` headers, ``finish`` ends it (once)."""
+
+    __slots__ = ("_tenancy", "_grant", "_model", "_tenant", "_prompt_estimate", "_done")
+
+    def __init__(self, tenancy: Tenancy, grant: Grant | None, model: str | None, tenant: str,
+                 prompt_estimate: int) -> None:  # fmt: skip
+        self._tenancy = tenancy
+        self._grant = grant
+        self._model = model
+        self._tenant = tenant
+        self._prompt_estimate = prompt_estimate
+        self._done = False
+
+    def wrap(self, send: Send) -> Send:
+        if self._grant is None or not self._grant.headers:
+            return send
+        extra = self._grant.headers
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        return with_headers
+
+    def finish(self, status: int, prompt: int | None = None, completion: int | None = None,
+               tally: Relayed | None = None) -> None:  # fmt: skip
+        """The request ended with ``status``; ``prompt``/``completion``: its answer's ``usage`` where it had one,
+        ``tally``: what the relay saw of it."""
+        if self._done:
+            return
+        self._done = True
+        tokens: int | None = 0
+        if status == 499:
+            tokens = None  # the client left mid-way: what the node spent is unknown, the estimate stands
+        elif 200 <= status < 300:
+            if completion is None and tally is not None and tally.streamed:
+                completion = tally.chunks  # vLLM sends about one token per event
+            if prompt is None:
+                prompt = self._prompt_estimate
+            tokens = prompt + (completion or 0)
+        if self._grant is not None:
+            self._grant.finish(tokens)
+        tenancy = self._tenancy
+        if tokens:
+            tenancy.metrics.child(tenancy.metrics.tokens, self._tenant).inc(tokens)
+        if self._model is not None and tenancy.queue is not None:
+            tenancy.queue.leave(self._model)
+
+
+class Tenancy:
+    """Limits per tenant (shared with the other replicas) and the fair queue; built once in the app."""
+
+    def __init__(self, keys: KeySet, replicas: ReplicaCount, queue: FairQueue | None,
+                 metrics: TenantMetrics) -> None:  # fmt: skip
+        self.keys = keys
+        self.replicas = replicas
+        self.queue = queue
+        self.metrics = metrics
+        self._counters: dict[str, TenantCounters] = {}
+        self._version = keys.version
+
+    def share(self, tenant: str) -> int:
+        """A tenant's weight in the queue."""
+        limits = self.keys.tenants().get(tenant)
+        return limits.share if limits is not None else 1
+
+    def _counters_of(self, tenant: str) -> TenantCounters:
+        if self._version != self.keys.version:
+            # The set changed: forget tenants it no longer names (their requests in flight keep their counters).
+            self._version = self.keys.version
+            named = self.keys.tenants()
+            self._counters = {t: c for t, c in self._counters.items() if t in named}
+        counters = self._counters.get(tenant)
+        if counters is None:
+            counters = self._counters[tenant] = TenantCounters()
+        return counters
+
+    async def admit(self, limits: Limits | None, model: str | None, body: dict[str, Any] | None, raw_length: int,
+                    receive: Receive, send: Send) -> tuple[Ticket, Send]:  # fmt: skip
+        """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while queued);
+        returns its ticket, and ``send`` with the ``x-ratelimit-*`` headers added when the key has limits."""
+        metrics = self.metrics
+        tenant = limits.tenant if limits is not None else OPEN
+        estimate = estimate_tokens(raw_length, body)
+        grant = None
+        if limits is not None and limits.limited:
+            try:
+                grant = admit(self._counters_of(tenant), limits, self.replicas.count, estimate)
+            except RateLimited as exc:
+                metrics.child(metrics.rejections, tenant, _KINDS.get(exc.type, exc.type)).inc()
+                raise
+        if self.queue is not None and model is not None:
+            priority = limits.priority if limits is not None else None
+            if priority is None:
+                asked = body.get("priority") if body is not None else None
+                priority = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
+            started = time.monotonic()
+            try:
+                entered = await self.queue.enter(model, tenant, priority, receive)
+            except QueueTimeout:
+                metrics.child(metrics.rejections, tenant, "queue_timeout").inc()
+                if grant is not None:
+                    grant.finish(0)
+                raise
+            except BaseException:
+                if grant is not None:
+                    grant.finish(0)
+                raise
+            waited = time.monotonic() - started
+            if not entered:
+                metrics.child(metrics.queue_left, tenant).inc()
+                if grant is not None:
+                    grant.finish(0)
+                raise ClientLeft("the client left while its request was queued")
+            if waited > 0.0005:
+                metrics.child(metrics.queue_wait, tenant).observe(waited)
+        metrics.child(metrics.requests, tenant).inc()
+        ticket = Ticket(self, grant, model, tenant, raw_length // 4)
+        return ticket, ticket.wrap(send)

@@ -1,0 +1,97 @@
+"""Builds the tenancy parts of one replica from its settings (app.py calls ``build_tenancy`` once)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from vllm_etcd_proxy.fleet.etcd import EtcdClient
+from vllm_etcd_proxy.fleet.records import KeyLayout
+from vllm_etcd_proxy.proxy.discovery.pool import Pool
+from vllm_etcd_proxy.proxy.discovery.watch import KeySink
+from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
+from vllm_etcd_proxy.proxy.tenancy.keys import KeySet
+from vllm_etcd_proxy.proxy.tenancy.metrics import TenantMetrics
+from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue, QueueSettings
+from vllm_etcd_proxy.proxy.tenancy.replicas import FOLDER, ReplicaCount, ReplicaLease, replica_id
+from vllm_etcd_proxy.proxy.tenancy.sources import EtcdKeys, KeyFile
+
+log = logging.getLogger(__name__)
+
+KEYS_FOLDER = "keys"
+
+
+@dataclass(kw_only=True)
+class TenancyParts:
+    tenancy: Tenancy | None
+    """None when no key can ever be configured and the queue is off: the request path skips tenancy."""
+    sinks: dict[str, KeySink] = field(default_factory=dict)
+    """For discovery: the ``keys/`` and ``replicas/`` folders."""
+    tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
+    """Background work for the lifespan: the replica's lease, SIGHUP reloads."""
+
+
+def build_tenancy(settings: ProxySettings, keys: KeySet, registry: CollectorRegistry, pool: Pool,
+                  etcd: EtcdClient | None, layout: KeyLayout) -> TenancyParts:  # fmt: skip
+    """Raises ``ValueError`` when ``--api-key-file`` cannot be read."""
+    metrics = TenantMetrics(registry)
+
+    def invalid(source: str) -> None:
+        metrics.child(metrics.invalid_keys, source).inc()
+
+    key_file = None
+    if settings.api_key_file:
+        key_file = KeyFile(settings.api_key_file, keys, invalid)
+        key_file.load()
+    me = replica_id()
+    replicas = ReplicaCount(me, metrics.replicas.set, least=settings.workers if etcd is None else 1)
+    queue = None
+    if settings.queue_timeout > 0:
+        recheck = 1.0  # scrapes and request ends wake the queue; this only catches what has no event
+        queue_settings = QueueSettings(timeout=settings.queue_timeout, max_connections=settings.max_connections,
+                                       when_waiting=settings.queue_when_waiting, recheck=recheck)  # fmt: skip
+
+        def share(tenant: str) -> int:
+            limits = keys.tenants().get(tenant)
+            return limits.share if limits is not None else 1
+
+        def depth(model: str, change: int) -> None:
+            metrics.child(metrics.queue_depth, model).inc(change)
+
+        queue = FairQueue(pool, queue_settings, share, depth)
+    parts = TenancyParts(tenancy=None)
+    if len(keys) or key_file is not None or etcd is not None or queue is not None:
+        parts.tenancy = Tenancy(keys, replicas, queue, metrics)
+    if etcd is not None:
+        parts.sinks = {KEYS_FOLDER: EtcdKeys(keys, invalid), FOLDER: replicas}
+        parts.tasks.append(ReplicaLease(etcd, layout, me).run)
+    if key_file is not None:
+        parts.tasks.append(lambda: _reload_on_hangup(key_file, metrics))
+    return parts
+
+
+async def _reload_on_hangup(key_file: KeyFile, metrics: TenantMetrics) -> None:
+    """Reload the key file on each SIGHUP (the handler only sets an event; uvicorn keeps SIGTERM/SIGINT)."""
+    loop = asyncio.get_running_loop()
+    hangup = asyncio.Event()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, hangup.set)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (an app run inside tests)
+        log.info("SIGHUP cannot be handled here; --api-key-file is read at start only")
+        return
+    try:
+        while True:
+            await hangup.wait()
+            hangup.clear()
+            outcome = "ok" if key_file.reload() else "failed"
+            metrics.child(metrics.reloads, outcome).inc()
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
