@@ -36,7 +36,13 @@ from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
-from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
+from vllm_etcd_proxy.proxy.routing.balancer import (
+    AFFINITY_POLICIES,
+    DEFAULT_POLICIES,
+    KV_AWARE,
+    CacheAware,
+    make_policy,
+)
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
@@ -51,15 +57,17 @@ CLIENT_PRUNE_INTERVAL = 30.0
 """Seconds between closing the idle connections of nodes that left."""
 
 
-def static_node(role: Role, address: str, models: tuple[str, ...]) -> Node:
-    """A node from a --prefill/--decode/--mixed flag: ``host:port`` or an http(s) URL."""
+def static_node(role: Role, address: str, models: tuple[str, ...], kv: tuple[str | None, str | None] = (None, None),
+                ) -> Node:  # fmt: skip
+    """A node from a --prefill/--decode/--mixed flag: ``host:port`` or an http(s) URL; ``kv``: its --kv-events."""
     if "://" in address:
         url = validate_url(address)
         node_id = url.split("://", 1)[1]
     else:
         host, port = split_host_port(address)
         url, node_id = f"http://{host}:{port}", address
-    return Node(node_id=node_id, role=role, url=url, models=models, source=Source.STATIC, learn_models=not models)
+    return Node(node_id=node_id, role=role, url=url, models=models, source=Source.STATIC, learn_models=not models,
+                kv_events=kv[0], kv_events_replay=kv[1])  # fmt: skip
 
 
 def error_response(exc: ProxyError) -> Response:
@@ -109,13 +117,16 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     registry.register(PoolCollector(pool, discovery_state))
     registry.register(NodeCollector(pool))
     layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
+    kv_flags = {node: (events, replay) for node, events, replay in settings.kv_events}
     for role, addresses in ((Role.PREFILL, settings.prefill), (Role.DECODE, settings.decode),
                             (Role.MIXED, settings.mixed)):  # fmt: skip
         for address in addresses:
             try:
-                pool.add(static_node(role, address, settings.models))
+                pool.add(static_node(role, address, settings.models, kv_flags.get(address, (None, None))))
             except InvalidRecord as exc:
                 raise ValueError(f"--{role.value} {address}: {exc}") from None
+    if unknown := set(kv_flags) - {*settings.prefill, *settings.decode, *settings.mixed}:
+        raise ValueError(f"--kv-events names no static node: {', '.join(sorted(unknown))}")
 
     # Probes and the admin API: a few requests per node and minute.
     client = stateless_client(timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False)
@@ -125,7 +136,12 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     if transport is None:
         transport = http
     chosen = dict(settings.policies)
-    policies = {role: make_policy(chosen.get(role.value, DEFAULT_POLICIES[role.value])) for role in Role}
+
+    def kv_policy(name: str) -> CacheAware:
+        return CacheAware()
+
+    policies = {role: kv_policy(name) if (name := chosen.get(role.value, DEFAULT_POLICIES[role.value])) == KV_AWARE
+                else make_policy(name) for role in Role}  # fmt: skip
     ejector = Ejector(pool, client, settings.ejection)
     forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None

@@ -258,9 +258,13 @@ class CacheAware:
 
 POLICIES: dict[str, type[RoundRobin] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
-AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name])
+KV_AWARE = "kv-aware"
+"""Routing by the blocks each node says it holds (its KV-cache events; routing/kvchoice.py), built by the app with
+the replica's index: cache-aware for requests and nodes the events say nothing about."""
+POLICY_NAMES = sorted([*POLICIES, KV_AWARE])
+AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name, KV_AWARE])
 """Policies that route by an affinity key (the request's session, user or prompt prefix)."""
-DEFAULT_POLICIES = {"prefill": CacheAware.name, "decode": LeastLoad.name, "mixed": CacheAware.name}
+DEFAULT_POLICIES = {"prefill": KV_AWARE, "decode": LeastLoad.name, "mixed": KV_AWARE}
 """Per role when no policy flag is given (bench/routing.py): a prefix cache saves prefill and mixed nodes work;
 a decode node only pulls the KV cache, so its load is what matters."""
 

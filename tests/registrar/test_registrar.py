@@ -43,6 +43,20 @@ BAD_FLAGS = {
     "ttl not a number": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--ttl", "ten"],
     "unknown flag": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--colour", "red"],
     "-- without a command": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--"],
+    "kv events not tcp": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--kv-events", "ipc:///tmp/kv"],
+    "kv replay alone": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--kv-events-replay", "tcp://h:1"],
+    "child kv config not JSON": [
+        "--role",
+        "decode",
+        "--url",
+        "http://127.0.0.1:8100",
+        "--",
+        "vllm",
+        "serve",
+        "m",
+        "--kv-events-config",
+        "{enable",
+    ],
 }
 
 
@@ -116,6 +130,16 @@ def test_registers_once_the_node_is_healthy_with_models_from_the_node(
     }
     assert abs(datetime.fromisoformat(registered_at).timestamp() - time.time()) < 60
     assert 0 < lease_ttl(etcd, entry.lease) <= 10
+
+
+def test_kv_event_endpoints_go_into_the_record_with_a_wildcard_host_named(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims()
+    registrars(node.url, "--kv-events", "tcp://*:5557", "--kv-events-replay", f"tcp://{HOST}:5558")
+    entry = wait_for_key(etcd, decode_key(node.host_port))
+    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:5557",
+                                                                              f"tcp://{HOST}:5558")  # fmt: skip
 
 
 def test_key_expires_with_its_lease_after_the_registrar_is_killed(
