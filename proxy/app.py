@@ -24,6 +24,7 @@ from vllm_etcd_proxy.fleet.httpclient import stateless_client
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
+from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
 from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.prober import ModelProber
@@ -32,6 +33,7 @@ from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError,
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
+from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
 from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
@@ -43,6 +45,8 @@ from vllm_etcd_proxy.proxy.routing.balancer import (
     CacheAware,
     make_policy,
 )
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
+from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
@@ -137,8 +141,14 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         transport = http
     chosen = dict(settings.policies)
 
-    def kv_policy(name: str) -> CacheAware:
-        return CacheAware()
+    # KV-cache events: a subscriber per publishing node feeds one index, which the kv-aware policy reads.
+    kv_index = KvIndex()
+    kv_subscribers = KvSubscribers(pool, kv_index)
+    kv_routing = KvRouting(kv_index, kv_subscribers.tracked, kv_subscribers.active)
+    registry.register(KvCollector(kv_subscribers, kv_routing))
+
+    def kv_policy(name: str) -> KvAware:
+        return KvAware(kv_routing, CacheAware())
 
     policies = {role: kv_policy(name) if (name := chosen.get(role.value, DEFAULT_POLICIES[role.value])) == KV_AWARE
                 else make_policy(name) for role in Role}  # fmt: skip
@@ -153,6 +163,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         http.prepare_tls()
+        kv_subscribers.start()
         if tracer is not None:
             tracer.start()
 
@@ -183,6 +194,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await kv_subscribers.stop()
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
@@ -198,8 +210,10 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         MultiProcessCollector(scraped)  # type: ignore[no-untyped-call]
         scraped.register(PoolCollector(pool, discovery_state))
         scraped.register(NodeCollector(pool))
+        scraped.register(KvCollector(kv_subscribers, kv_routing))
     routes = [
-        *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle).routes(),
+        *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle,
+                    kv_view=KvView(kv_subscribers, kv_routing)).routes(),  # fmt: skip
         *AdminRoutes(
             pool=pool,
             client=client,
@@ -222,5 +236,5 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer)  # fmt: skip
+                          tracer=tracer, kv=kv_routing)  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)

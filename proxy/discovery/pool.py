@@ -38,6 +38,7 @@ class Pool:
         self._model_nodes: dict[str, int] = {}
         """Routable nodes per model name."""
         self._listeners: list[Callable[[NodeState], None]] = []
+        self._drop_listeners: list[Callable[[NodeState], None]] = []
         self._demand_listeners: list[Callable[[str], None]] = []
         self._asked_at: dict[str, float] = {}
         self.version = 0
@@ -47,6 +48,10 @@ class Pool:
     def on_node(self, listener: Callable[[NodeState], None]) -> None:
         """Call ``listener(state)`` for a node that was added, or whose record, models or routability changed."""
         self._listeners.append(listener)
+
+    def on_drop(self, listener: Callable[[NodeState], None]) -> None:
+        """Call ``listener(state)`` for a node that left the pool."""
+        self._drop_listeners.append(listener)
 
     def on_demand(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(model)`` when a model is asked for after ``DEMAND_WINDOW`` seconds without a request."""
@@ -122,6 +127,8 @@ class Pool:
         state = self._entries.pop(key, None)
         if state is not None:
             self._unindex(state)
+            for listener in self._drop_listeners:
+                listener(state)
 
     def _upsert(self, node: Node) -> None:
         key = entry_key(node)

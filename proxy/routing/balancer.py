@@ -16,15 +16,18 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 
 
 class Policy(Protocol):
     name: str
 
     def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
-        """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty."""
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:  # fmt: skip
+        """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty. ``prompt``: the
+        request's token ids when known (only kv-aware reads them)."""
 
 
 def _untried(candidates: Sequence[NodeState], tried: Collection[NodeState]) -> Sequence[NodeState]:
@@ -52,8 +55,9 @@ class RoundRobin:
         return pool
 
     def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if not pool:
             return None
@@ -85,8 +89,9 @@ class PowerOfTwo:
         self._rng = rng or random.Random()
 
     def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if len(pool) <= 1:
             return pool[0] if pool else None
@@ -124,8 +129,9 @@ class ConsistentHash:
         self._ring_of = urls
 
     def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool, (), key)
@@ -227,8 +233,9 @@ class CacheAware:
         return self._weights
 
     def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool)

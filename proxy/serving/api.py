@@ -25,6 +25,8 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, PromptIds, read_prompt, token_id_prompt
 from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
 from vllm_etcd_proxy.proxy.serving.forms import media_type, multipart_field, urlencoded_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
@@ -67,8 +69,12 @@ class OpenAIRoutes:
         affinity: bool = False,
         websockets: ASGIApp | None = None,
         tracer: Tracer | None = None,
+        kv: KvRouting | None = None,
+        prompt_ids: PromptIds = token_id_prompt,
     ) -> None:
         self._tracer = tracer
+        self._kv = kv
+        self._prompt_ids = prompt_ids
         self._websockets = websockets
         self._ids = ResponseIds(pool)
         self._affinity = affinity
@@ -145,9 +151,11 @@ class OpenAIRoutes:
                 hints = (route_hints(self._prefixes, body, client.session,
                                      count_uncached=self._pd_min_prompt_tokens > 0)
                          if self._read_prompts and body is not None else _NO_HINTS)  # fmt: skip
+                prompt = (read_prompt(self._prompt_ids, model, path, body)
+                          if self._kv is not None and body is not None and self._kv.active() else None)  # fmt: skip
                 request = _Request(path=path, target=target, model=model, head=head, method=method,
                                    affinity=hints.key if self._affinity else None,
-                                   uncached_tokens=hints.uncached_tokens, trace=trace)  # fmt: skip
+                                   uncached_tokens=hints.uncached_tokens, trace=trace, prompt=prompt)  # fmt: skip
                 if kind is Kind.GENERATE:
                     tally = Tally()
                 if kind is Kind.RESPONSES and body is not None:
@@ -233,6 +241,7 @@ class OpenAIRoutes:
             self._check_routable(request.model, _MIXED_ROLES)
         leg = Leg(roles=_MIXED_ROLES, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity, pinned=holder, trace=request.trace,
+                  prompt=request.prompt,
                   body_for=lambda state: ids.new_response_body(raw, body, state))  # fmt: skip
         return ("pinned" if holder is not None else "mixed"), self._open(leg)
 
@@ -251,6 +260,11 @@ class OpenAIRoutes:
         pool, model, head = self._pool, request.model, request.head
         if body is not None and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
             uncached = request.uncached_tokens
+            if request.prompt is not None and self._kv is not None and self._pd_min_prompt_tokens:
+                # The index knows exactly how much of the prompt the best-placed node lacks.
+                nodes = [s for r in Role for s in pool.candidates(r, model)]
+                exact = self._kv.uncached(request.prompt, nodes)
+                uncached = exact if exact is not None else uncached
             if uncached is not None and uncached < self._pd_min_prompt_tokens:
                 # So little of the prompt is new that a prefill leg costs more than it saves.
                 return "decode", self._one_leg(request, raw, (Role.DECODE, Role.MIXED), avoid)
@@ -258,7 +272,8 @@ class OpenAIRoutes:
 
             async def disaggregated() -> Upstream | ErrorAnswer:
                 return await disagg.run(path=request.target, model=model, raw=raw, body=body, head=head,
-                                        affinity=request.affinity, avoid=avoid, trace=request.trace)  # fmt: skip
+                                        affinity=request.affinity, avoid=avoid, trace=request.trace,
+                                        prompt=request.prompt)  # fmt: skip
 
             return "disagg", disaggregated
         self._check_routable(model, _MIXED_ROLES)
@@ -269,7 +284,7 @@ class OpenAIRoutes:
         # Not disaggregated: the body goes to the node byte for byte.
         leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method,
-                  trace=request.trace)  # fmt: skip
+                  trace=request.trace, prompt=request.prompt)  # fmt: skip
         return self._open(leg, avoid)
 
 
@@ -285,3 +300,5 @@ class _Request(NamedTuple):
     affinity: str | None
     uncached_tokens: int | None
     trace: RequestTrace | None
+    prompt: KvPrompt | None = None
+    """The prompt's token ids for the kv-aware policy (None: unknown, or no node publishes KV events)."""

@@ -21,6 +21,7 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.tracing.spans import LegSpan, RequestTrace
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
@@ -75,6 +76,8 @@ class Leg(NamedTuple):
     """The body for the node chosen, when it depends on the node (instead of ``body``)."""
     trace: RequestTrace | None = None
     """The client request's span when tracing is on: each attempt is a child span, and the node's parent."""
+    prompt: KvPrompt | None = None
+    """The request's token ids, when known, for the kv-aware policy."""
 
 
 def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -177,7 +180,7 @@ class Forwarder:
                 role, state = leg.pinned.node.role, (leg.pinned if not tried else None)
             else:
                 role, candidates = self._candidates(leg)
-                state = self._policies[role].choose(candidates, tried, leg.affinity)
+                state = self._policies[role].choose(candidates, tried, leg.affinity, leg.prompt)
             if state is None:
                 break
             if attempt:

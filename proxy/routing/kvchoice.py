@@ -1,0 +1,153 @@
+"""The kv-aware policy: the node holding the longest cached prefix of the request, weighed against load.
+
+- Nodes whose KV events this replica follows (tracked: connected, not silent; discovery/kvsub.py) are judged by
+  the index: a node's cost is the prompt tokens it would have to compute plus ``load_tokens`` per request it
+  carries (``node_load``: its own running and waiting, or this replica's in flight); a node whose KV cache is
+  nearly full only takes a request when every node is. The cheapest wins (reason ``cached_prefix``).
+- A prompt no tracked node holds any of (a new conversation) goes to the least loaded tracked node, ties broken
+  by a hash of the request's affinity key and the node, so every replica that sees the same loads picks the
+  same node and new conversations spread evenly (reason ``load``) -- unless today's content affinity would
+  place it on a node whose events are not followed, which keeps its share (reason ``fallback``).
+- No tracked node, or a prompt whose token ids are unknown: content affinity (``CacheAware``; ``fallback``).
+- Where a request went is remembered for ``REMEMBER`` seconds as if the node had announced its blocks, so the
+  next turn of a quick conversation follows it before the node's events arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Sequence
+
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _mix, _stable_hash, _untried, node_load
+from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
+
+REMEMBER = 5.0
+"""Seconds a routing decision counts as the node holding the prompt's blocks (its events confirm it sooner)."""
+MAX_REMEMBERED = 200_000
+"""Block keys remembered at most (a few seconds of traffic)."""
+LOAD_TOKENS = 256
+"""Prompt tokens one request in a node's queue or batch is worth: a node this many tokens' prefill cheaper per
+request of load it has more."""
+KV_FULL = 0.95
+
+
+def _adapter(model: str, pool: Sequence[NodeState]) -> str:
+    """The LoRA adapter's name when ``model`` is one (its card names a parent), else "" (the base model)."""
+    for state in pool:
+        card = state.cards.get(model)
+        if card is not None:
+            return model if card.get("parent") else ""
+    return ""
+
+
+class KvRouting:
+    """What the policy and the request path share: the index, which nodes are tracked, recent decisions."""
+
+    def __init__(self, index: KvIndex, tracked: Callable[[str], bool], active: Callable[[], bool] = lambda: True,
+                 remember: float = REMEMBER) -> None:  # fmt: skip
+        self.index = index
+        self.tracked = tracked
+        self.active = active
+        """Whether any node publishes events at all (else prompts need not be read)."""
+        self.decisions: Counter[str] = Counter()
+        self._remember = remember
+        self._recent: dict[int, int] = {}
+        self._expiry: deque[tuple[float, int, int]] = deque()
+
+    def recent(self) -> dict[int, int]:
+        """Block key -> slots this replica sent it to within ``REMEMBER`` seconds."""
+        now = time.monotonic()
+        expiry, recent = self._expiry, self._recent
+        while expiry and (expiry[0][0] <= now or len(expiry) > MAX_REMEMBERED):
+            _, key, bit = expiry.popleft()
+            left = recent.get(key, 0) & ~bit
+            if left:
+                recent[key] = left
+            else:
+                recent.pop(key, None)
+        return recent
+
+    def sent(self, state: NodeState, keys: Sequence[int]) -> None:
+        bit = 1 << self.index.slot_of(state.entry_key)
+        until = time.monotonic() + self._remember
+        for key in keys:
+            self._recent[key] = self._recent.get(key, 0) | bit
+            self._expiry.append((until, key, bit))
+
+    def cached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> list[tuple[NodeState, int, list[int]]] | None:
+        """(node, cached prompt tokens, the prompt's keys at its block size) for each tracked node; None when no
+        node is tracked."""
+        index, lora = self.index, _adapter(prompt.model, pool)
+        found: list[tuple[NodeState, int, list[int]]] = []
+        groups: dict[int, list[tuple[NodeState, int]]] = {}
+        for state in pool:
+            if self.tracked(state.entry_key):
+                blocks = index.node(state.entry_key)
+                groups.setdefault(blocks.block_size if blocks is not None else 0, []).append(
+                    (state, index.slot_of(state.entry_key)))  # fmt: skip
+        if not groups:
+            return None
+        sizes = [size for size in groups if size]
+        recent = self.recent()
+        for size, members in groups.items():
+            block = size or (sizes[0] if sizes else 0)
+            keys = prompt.keys(block, lora) if block else []
+            mask = 0
+            for _, slot in members:
+                mask |= 1 << slot
+            depths = index.depths(keys, mask, recent) if keys else {}
+            found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
+        return found
+
+    def uncached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> int | None:
+        """The prompt's tokens that the tracked node holding most of it lacks (None: no node tracked)."""
+        cached = self.cached(prompt, pool)
+        if not cached:
+            return None
+        return len(prompt.ids) - max(tokens for _, tokens, _ in cached)
+
+
+class KvAware:
+    """The kv-aware policy (module docstring); ``decisions`` counts its reasons."""
+
+    name = "kv-aware"
+
+    def __init__(self, routing: KvRouting, fallback: CacheAware | None = None, load_tokens: int = LOAD_TOKENS):
+        self._routing = routing
+        self._fallback = fallback or CacheAware()
+        self._load_tokens = load_tokens
+
+    def _decided(self, reason: str, state: NodeState | None) -> NodeState | None:
+        self._routing.decisions[reason] += 1
+        return state
+
+    def choose(
+        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:  # fmt: skip
+        pool = _untried(candidates, tried)
+        if prompt is None or len(pool) <= 1:
+            return self._decided("fallback", self._fallback.choose(pool, (), key))
+        routing = self._routing
+        cached = routing.cached(prompt, pool)
+        if not cached:
+            return self._decided("fallback", self._fallback.choose(pool, (), key))
+        total, weight = len(prompt.ids), self._load_tokens
+        roomy = [c for c in cached if c[0].kv_usage < KV_FULL] or cached
+        best = max(tokens for _, tokens, _ in roomy)
+        if best > 0:
+            state, tokens, keys = min(roomy, key=lambda c: (total - c[1] + weight * node_load(c[0]), -c[1],
+                                                            c[0].node.node_id))  # fmt: skip
+            routing.sent(state, keys)
+            return self._decided("cached_prefix" if tokens else "load", state)
+        if len(cached) < len(pool):
+            affine = self._fallback.choose(pool, (), key)
+            if affine is not None and not routing.tracked(affine.entry_key):
+                return self._decided("fallback", affine)
+        seed = _stable_hash(key or f"prompt:{prompt.ids[:64]}")
+        state, _, keys = min(roomy, key=lambda c: (node_load(c[0]), _mix(seed ^ _stable_hash(c[0].node.node_id))))
+        routing.sent(state, keys)
+        return self._decided("load", state)
