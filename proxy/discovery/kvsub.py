@@ -107,6 +107,7 @@ class Subscriber:
             sub.setsockopt(option, value)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # reads what is there without a future per frame
+        watch: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
         try:
             sub.connect(self.endpoint)
             if self.replay is not None:
@@ -118,7 +119,11 @@ class Subscriber:
             while True:
                 ready = dict(await poller.poll(timeout=max(0.0, next_check - time.monotonic()) * 1000))
                 if monitor in ready:
-                    self._monitor(await monitor.recv_multipart())
+                    while True:
+                        try:
+                            self._monitor(watch.recv_multipart(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
                 if sub in ready:
                     for _ in range(DRAIN):
                         try:
@@ -164,6 +169,7 @@ class Subscriber:
                         reason)  # fmt: skip
 
     async def _frame(self, context: zmq.asyncio.Context, frames: list[bytes]) -> None:
+        self.connected = True  # whatever the monitor said last: a frame came
         if len(frames) != 3:
             self._malformed(f"{len(frames)} frames, not 3")
             return

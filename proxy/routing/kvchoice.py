@@ -9,8 +9,9 @@
   same node and new conversations spread evenly (reason ``load``) -- unless today's content affinity would
   place it on a node whose events are not followed, which keeps its share (reason ``fallback``).
 - No tracked node, or a prompt whose token ids are unknown: content affinity (``CacheAware``; ``fallback``).
-- Where a request went is remembered for ``REMEMBER`` seconds as if the node had announced its blocks, so the
-  next turn of a quick conversation follows it before the node's events arrive.
+- Where a request went is remembered as if the node had announced its blocks, so the next turn of a quick
+  conversation follows it before the node's events arrive: until the node's next batch of events (which
+  says what it really holds) or ``REMEMBER`` seconds, whichever comes first.
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ class KvRouting:
         self._remember = remember
         self._recent: dict[int, int] = {}
         self._expiry: deque[tuple[float, int, int]] = deque()
+        self._valid: dict[int, tuple[int | None, float]] = {}
+        """slot -> (its index version, until when) at the last decision for it."""
+
+    def _valid_slots(self, now: float) -> int:
+        """The slots whose remembered decisions still count: no event from the node since, not expired."""
+        mask, index = 0, self.index
+        for slot, (version, until) in list(self._valid.items()):
+            if until <= now or index.version(slot) != version:
+                del self._valid[slot]
+            else:
+                mask |= 1 << slot
+        return mask
 
     def recent(self) -> dict[int, int]:
         """Block key -> slots this replica sent it to within ``REMEMBER`` seconds."""
@@ -71,8 +84,10 @@ class KvRouting:
         return recent
 
     def sent(self, state: NodeState, keys: Sequence[int]) -> None:
-        bit = 1 << self.index.slot_of(state.entry_key)
+        slot = self.index.slot_of(state.entry_key)
+        bit = 1 << slot
         until = time.monotonic() + self._remember
+        self._valid[slot] = (self.index.version(slot), until)
         for key in keys:
             self._recent[key] = self._recent.get(key, 0) | bit
             self._expiry.append((until, key, bit))
@@ -92,13 +107,14 @@ class KvRouting:
             return None
         sizes = [size for size in groups if size]
         recent = self.recent()
+        valid = self._valid_slots(time.monotonic()) if recent else 0
         for size, members in groups.items():
             block = size or (sizes[0] if sizes else 0)
             keys = prompt.keys(block, lora) if block else []
             mask = 0
             for _, slot in members:
                 mask |= 1 << slot
-            depths = index.depths(keys, mask, recent) if keys else {}
+            depths = index.depths(keys, mask, recent, valid) if keys else {}
             found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
         return found
 

@@ -51,6 +51,8 @@ class NodeBlocks:
     """Stored blocks left out: their parent was never announced."""
     over: int = 0
     """Stored blocks left out: the node had ``MAX_BLOCKS`` already."""
+    version: int = 0
+    """Batches of events applied: what a routing decision's memory is checked against (kvchoice.py)."""
 
 
 class KvIndex:
@@ -61,6 +63,7 @@ class KvIndex:
         self._holders: dict[int, int] = {}
         """key -> slot (>= 0) of its one holder, or -(bit mask of the slots) when several hold it."""
         self._nodes: dict[str, NodeBlocks] = {}
+        self._slots: dict[int, NodeBlocks] = {}
         self._free: list[int] = []
         self._next_slot = 0
 
@@ -87,14 +90,20 @@ class KvIndex:
         if found is None:
             slot = self._free.pop() if self._free else self._next_slot
             self._next_slot = max(self._next_slot, slot + 1)
-            found = self._nodes[name] = NodeBlocks(slot=slot)
+            found = self._nodes[name] = self._slots[slot] = NodeBlocks(slot=slot)
         return found
+
+    def version(self, slot: int) -> int | None:
+        """The ``version`` of the node in ``slot`` (None: no node has it)."""
+        found = self._slots.get(slot)
+        return None if found is None else found.version
 
     # -- changes ------------------------------------------------------------------------------------------------
 
     def apply(self, name: str, events: Iterable[Event]) -> None:
         """One node's events, in order."""
         node = self._node(name)
+        node.version += 1
         for event in events:
             if isinstance(event, Stored):
                 self._stored(node, event)
@@ -156,6 +165,7 @@ class KvIndex:
         node = self._nodes.pop(name, None)
         if node is not None:
             self._clear(node)
+            del self._slots[node.slot]
             self._free.append(node.slot)
 
     # -- queries ------------------------------------------------------------------------------------------------
@@ -167,9 +177,11 @@ class KvIndex:
             return 0
         return 1 << held if held >= 0 else -held
 
-    def depths(self, keys: Sequence[int], slots: int, extra: dict[int, int] | None = None) -> dict[int, int]:
+    def depths(self, keys: Sequence[int], slots: int, extra: dict[int, int] | None = None,
+               extra_slots: int = -1) -> dict[int, int]:  # fmt: skip
         """For each slot in the bit mask ``slots`` that holds ``keys[0]``: how many of ``keys`` it holds in a row
-        from the first. ``extra``: key -> more slots to count as holding it (blocks sent but not announced)."""
+        from the first. ``extra``: key -> more slots to count as holding it (blocks sent but not announced), of
+        which only those in the mask ``extra_slots`` count."""
         depth: dict[int, int] = {}
         alive = slots
         get = self._holders.get
@@ -177,7 +189,7 @@ class KvIndex:
             held = get(key)
             mask = 0 if held is None else 1 << held if held >= 0 else -held
             if extra:
-                mask |= extra.get(key, 0)
+                mask |= extra.get(key, 0) & extra_slots
             now = alive & mask
             if now != alive:
                 _record(depth, alive & ~now, i)
