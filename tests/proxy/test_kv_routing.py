@@ -169,6 +169,16 @@ def test_a_gap_is_filled_from_the_replay_socket_and_a_malformed_frame_changes_no
     assert routed(proxy, [*prefix(32), 5]) == node.host_port  # what it held before is still known
 
 
+def test_token_ids_of_the_generate_route_find_their_cached_prefix_too(fleet: Fleet) -> None:
+    ids = prefix(51)
+    announce(fleet, "c", ids)
+    for proxy in fleet.proxies:
+        body = {"model": "sim-model", "token_ids": [*ids, 3], "sampling_params": {"max_tokens": 1}}
+        answer = proxy.post("/inference/v1/generate", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-sim-node"] == fleet.nodes["c"].host_port
+
+
 def test_a_node_restart_drops_its_entries(fleet: Fleet) -> None:
     ids = prefix(41)
     announce(fleet, "b", ids)
