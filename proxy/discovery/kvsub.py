@@ -41,6 +41,9 @@ RECEIVE_HWM = 100_000
 """Frames ZMQ keeps for a subscriber busy with a replay (vLLM's own publisher keeps 100,000 too)."""
 DRAIN = 256
 """Frames read in one go before the loop yields to others."""
+REPLAYED_WINDOW = 2.0
+"""Seconds after a replay during which live frames it already brought count as seen, not as a restart: those
+ZMQ kept while the replay ran (a restarted node's new frames come later than that)."""
 
 
 class KvSink(Protocol):
@@ -75,6 +78,7 @@ class Subscriber:
         self.last_seq: int | None = None
         self._floor = 0
         """Seqs from here up to ``last_seq`` were just replayed: seeing them live again is no restart."""
+        self._floor_until = 0.0
         self.last_event_at: float | None = None
         self.lag: float | None = None
         self.counts = {"batches": 0, "events": 0, "gaps": 0, "replays": 0, "malformed": 0, "restarts": 0}
@@ -180,7 +184,7 @@ class Subscriber:
             return
         last = self.last_seq
         if last is not None and seq <= last:
-            if seq >= self._floor:
+            if seq >= self._floor and time.monotonic() < self._floor_until:
                 return  # seen in a replay already
             self._count("restarts")
             log.info("kv events: node restarted (seq %d after %d) node=%s: its blocks are forgotten", seq, last,
@@ -238,6 +242,7 @@ class Subscriber:
         finally:
             dealer.close(0)
         self._floor = min(self._floor, start)
+        self._floor_until = time.monotonic() + REPLAYED_WINDOW
         return True
 
     def _apply(self, seq: int, payload: bytes) -> None:
