@@ -115,6 +115,11 @@ def scenarios(
             description=f"/v1/completions, the conversation as one text prompt, shared preamble of {short_words} "
             "words",
         ),
+        "token-ids": Scenario(
+            name="token-ids", routers=few, api="token-ids", system_words=short_words,
+            description=f"completions's workload with the prompt as token ids (which the kv-aware index reads "
+            f"without a tokenizer), shared preamble of {short_words} words",
+        ),
         "slow-node": Scenario(
             name="slow-node", routers=few if not quick else full[1:2], system_words=short_words,
             slow_factor=slow_factor, baseline="chat-short",

@@ -1,13 +1,15 @@
 """The kv-aware policy: the node holding the longest cached prefix of the request, weighed against load.
 
 - Nodes whose KV events this replica follows (tracked: connected, not silent; discovery/kvsub.py) are judged by
-  the index: a node's cost is the prompt tokens it would have to compute plus ``load_tokens`` per request it
-  carries (``node_load``: its own running and waiting, or this replica's in flight); a node whose KV cache is
-  nearly full only takes a request when every node is. The cheapest wins (reason ``cached_prefix``).
-- A prompt no tracked node holds any of (a new conversation) goes to the least loaded tracked node, ties broken
-  by a hash of the request's affinity key and the node, so every replica that sees the same loads picks the
-  same node and new conversations spread evenly (reason ``load``) -- unless today's content affinity would
-  place it on a node whose events are not followed, which keeps its share (reason ``fallback``).
+  the index. When a node that is not overloaded (load, ``node_load``: the node's own running and waiting, or
+  this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
+  holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
+  turn of a conversation stays where its cache is.
+- Otherwise (a new conversation, which at most shares a preamble with others) the least loaded node wins, ties
+  broken by a hash of the request's affinity key and the node, so every replica that sees the same loads picks
+  the same node and conversations spread evenly (reason ``load``) -- unless, when no node holds any of it,
+  today's content affinity would place it on a node whose events are not followed, which keeps its share
+  (reason ``fallback``).
 - No tracked node, or a prompt whose token ids are unknown: content affinity (``CacheAware``; ``fallback``).
 - Where a request went is remembered as if the node had announced its blocks, so the next turn of a quick
   conversation follows it before the node's events arrive: until the node's next batch of events (which
@@ -29,9 +31,12 @@ REMEMBER = 5.0
 """Seconds a routing decision counts as the node holding the prompt's blocks (its events confirm it sooner)."""
 MAX_REMEMBERED = 200_000
 """Block keys remembered at most (a few seconds of traffic)."""
-LOAD_TOKENS = 256
-"""Prompt tokens one request in a node's queue or batch is worth: a node this many tokens' prefill cheaper per
-request of load it has more."""
+CACHED_SHARE = 0.5
+"""The share of the prompt a node must hold for its prefix to draw the request: less (a shared preamble, the
+start of a new conversation) and the request goes by load, so that conversations spread evenly."""
+EPSILON, SLACK = 0.5, 2
+"""A node is overloaded when its load exceeds ``1 + EPSILON`` times the mean plus ``SLACK`` requests (as for
+cache-aware): then its prefix does not draw the request."""
 KV_FULL = 0.95
 
 
@@ -131,10 +136,11 @@ class KvAware:
 
     name = "kv-aware"
 
-    def __init__(self, routing: KvRouting, fallback: CacheAware | None = None, load_tokens: int = LOAD_TOKENS):
+    def __init__(self, routing: KvRouting, fallback: CacheAware | None = None, epsilon: float = EPSILON,
+                 slack: int = SLACK, share: float = CACHED_SHARE) -> None:  # fmt: skip
         self._routing = routing
         self._fallback = fallback or CacheAware()
-        self._load_tokens = load_tokens
+        self._epsilon, self._slack, self._share = epsilon, slack, share
 
     def _decided(self, reason: str, state: NodeState | None) -> NodeState | None:
         self._routing.decisions[reason] += 1
@@ -151,19 +157,28 @@ class KvAware:
         cached = routing.cached(prompt, pool)
         if not cached:
             return self._decided("fallback", self._fallback.choose(pool, (), key))
-        total, weight = len(prompt.ids), self._load_tokens
-        roomy = [c for c in cached if c[0].kv_usage < KV_FULL] or cached
-        best = max(tokens for _, tokens, _ in roomy)
-        if best > 0:
-            state, tokens, keys = min(roomy, key=lambda c: (total - c[1] + weight * node_load(c[0]), -c[1],
-                                                            c[0].node.node_id))  # fmt: skip
-            routing.sent(state, keys)
-            return self._decided("cached_prefix" if tokens else "load", state)
-        if len(cached) < len(pool):
-            affine = self._fallback.choose(pool, (), key)
-            if affine is not None and not routing.tracked(affine.entry_key):
-                return self._decided("fallback", affine)
+        loads = [node_load(state) for state, _, _ in cached]
+        roomy = [(c, n) for c, n in zip(cached, loads, strict=True) if c[0].kv_usage < KV_FULL]
+        roomy = roomy or list(zip(cached, loads, strict=True))
+        fair = (1 + self._epsilon) * sum(loads) / len(loads) + self._slack
+        fit = [(c, n) for c, n in roomy if n <= fair]
+        best = max((c[1] for c, _ in fit), default=0)
         seed = _stable_hash(key or f"prompt:{prompt.ids[:64]}")
-        state, _, keys = min(roomy, key=lambda c: (node_load(c[0]), _mix(seed ^ _stable_hash(c[0].node.node_id))))
+
+        def rank(found: tuple[tuple[NodeState, int, list[int]], int]) -> tuple[int, int, int]:
+            (node, tokens, _), load = found
+            return -tokens, load, _mix(seed ^ _stable_hash(node.node.node_id))
+
+        if best and best >= self._share * (len(prompt.ids) - 1):
+            # Most of the prompt is cached on a node that is not overloaded: the longest prefix wins; among equals
+            # the least loaded, then the node ranked first for the request's key, alike on every replica.
+            reason, ((state, _, keys), _) = "cached_prefix", min(fit, key=rank)
+        else:
+            if best == 0 and len(cached) < len(pool):
+                affine = self._fallback.choose(pool, (), key)
+                if affine is not None and not routing.tracked(affine.entry_key):
+                    return self._decided("fallback", affine)
+            # A new conversation, or one whose node forgot it (or is overloaded): by load, so they spread evenly.
+            reason, ((state, _, keys), _) = "load", min(roomy, key=lambda f: (f[1], rank(f)[2]))
         routing.sent(state, keys)
-        return self._decided("load", state)
+        return self._decided(reason, state)

@@ -105,7 +105,7 @@ def policy(index: KvIndex, tracked: set[str] | None = None) -> tuple[KvAware, Kv
     return KvAware(routing), routing
 
 
-def test_the_longest_cached_prefix_wins_until_its_node_carries_too_much_more_load() -> None:
+def test_the_longest_cached_prefix_wins_until_its_node_is_overloaded() -> None:
     index = KvIndex()
     nodes = [state(n) for n in ("a", "b", "c")]
     index.apply(nodes[1].entry_key, [stored([1, 2, 3], IDS)])
@@ -113,9 +113,11 @@ def test_the_longest_cached_prefix_wins_until_its_node_carries_too_much_more_loa
     choose, routing = policy(index)
     prompt = KvPrompt([*IDS, 5], "m")
     assert choose.choose(nodes, key="k", prompt=prompt) is nodes[1]
-    nodes[1].in_flight = 3  # 3 x 256 tokens of load outweigh 8 more cached tokens: c, with one block, wins
-    assert choose.choose(nodes, key="k", prompt=KvPrompt([*IDS, 6], "m")) is nodes[2]
-    assert routing.decisions == {"cached_prefix": 2}
+    nodes[1].in_flight = 4  # not above 1.5 x the mean (4/3) + 2: still b
+    assert choose.choose(nodes, key="k", prompt=KvPrompt([*IDS, 6], "m")) is nodes[1]
+    nodes[1].in_flight = 5  # overloaded; c holds a third of the prompt, too little to draw it: by load
+    assert choose.choose(nodes, key="k", prompt=KvPrompt([*IDS, 7], "m")) in (nodes[0], nodes[2])
+    assert routing.decisions == {"cached_prefix": 2, "load": 1}
 
 
 def test_new_prompts_spread_by_load_alike_on_every_replica() -> None:
