@@ -30,7 +30,7 @@ lint: venv
 
 # Regenerate fleet/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).
 protos:
-	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=fleet/pb --pyi_out=fleet/pb protos/etcd_rpc.proto protos/node_record.proto
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=fleet/pb --pyi_out=fleet/pb protos/etcd_rpc.proto protos/node_record.proto protos/adapter_record.proto
 
 bench: venv
 	$(BIN)/python -m bench.proxy_overhead

@@ -137,6 +137,21 @@ def validate_kv_endpoint(text: str, field_name: str = "kv_events") -> str:
     return text
 
 
+def kv_event_flags(items: Iterable[str]) -> tuple[tuple[str, str, str | None], ...]:
+    """``--kv-events NODE=ENDPOINT[,REPLAY]`` values as (node, endpoint, replay); ValueError saying what is wrong."""
+    found = []
+    for item in items:
+        node, sep, endpoints = item.partition("=")
+        events, _, replay = endpoints.partition(",")
+        try:
+            if not sep or not node or not events:
+                raise InvalidRecord("must be NODE=tcp://HOST:PORT[,tcp://HOST:PORT]")
+            found.append((node, validate_kv_endpoint(events), validate_kv_endpoint(replay) if replay else None))
+        except InvalidRecord as exc:
+            raise ValueError(f"--kv-events {item!r}: {exc}") from None
+    return tuple(found)
+
+
 def url_host_port(url: str) -> str:
     parts = urllib.parse.urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)

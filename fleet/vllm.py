@@ -95,6 +95,32 @@ def read_prefix_cache(text: bytes) -> tuple[float, float] | None:
     return (totals[0], totals[1]) if seen else None
 
 
+_LORA_INFO = re.compile(rb"\nvllm:lora_requests_info\{([^}\n]*)\}[ \t]+(\S+)")
+_LABEL = re.compile(rb'(\w+)="([^"\n]*)"')
+
+
+def read_lora_info(text: bytes) -> tuple[frozenset[str], frozenset[str], int | None] | None:
+    """(adapters running, adapters waiting, ``max_lora``) from the newest ``vllm:lora_requests_info`` series (its
+    value is when it was last set: older label sets stay on the page); None when the page has none (no LoRA)."""
+    newest: tuple[float, bytes] | None = None
+    for labels, value in _LORA_INFO.findall(b"\n" + text):
+        try:
+            stamp = float(value)
+        except ValueError:
+            continue
+        if newest is None or stamp > newest[0]:
+            newest = (stamp, labels)
+    if newest is None:
+        return None
+    found = {k.decode(): v.decode("utf-8", "replace") for k, v in _LABEL.findall(newest[1])}
+
+    def names(label: str) -> frozenset[str]:
+        return frozenset(n.strip() for n in found.get(label, "").split(",") if n.strip())
+
+    slots = found.get("max_lora", "")
+    return names("running_lora_adapters"), names("waiting_lora_adapters"), int(slots) if slots.isdigit() else None
+
+
 ModelCard = Mapping[str, Any]
 """One entry of a node's GET /v1/models, as the node gave it (``id``, ``root``, ``parent``, ``max_model_len``...)."""
 

@@ -19,9 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_etcd_proxy.fleet.adapters import FOLDER as ADAPTERS
 from vllm_etcd_proxy.fleet.etcd import EtcdClient
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
+from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
 from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
@@ -47,6 +49,8 @@ from vllm_etcd_proxy.proxy.routing.balancer import (
 )
 from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
 from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
+from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
@@ -98,9 +102,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class ProxyApp:
     """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens) -> None:
         self._app = app
         self.lifecycle = lifecycle
+        self.prompt_tokens = prompt_tokens
+        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
@@ -159,11 +165,16 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth)
     keys = ClientKeys(settings.api_keys)
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
+    prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
+                                                                        if model in s.cards], registry)  # fmt: skip
+    adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
+    loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         http.prepare_tls()
         kv_subscribers.start()
+        prompt_tokens.start()
         if tracer is not None:
             tracer.start()
 
@@ -182,7 +193,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state)
+            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state, sinks={ADAPTERS: adapters})
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         deadline = time.monotonic() + wait_ready
         while (time.monotonic() < deadline and not lifecycle.shutting_down
@@ -191,6 +202,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         try:
             yield
         finally:
+            loader.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -198,6 +210,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
+            prompt_tokens.close()
             http.close()
             scrapes.close()
             if tracer is not None:
@@ -225,7 +238,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             allowed=settings.admin_allow,
             backend_auth=backend_auth,
         ).routes(),  # fmt: skip
-        *ModelRoutes(pool, keys).routes(),
+        *ModelRoutes(pool, keys, adapters).routes(),
         *DashboardRoutes().routes(),
     ]
     operator_app = Starlette(
@@ -236,5 +249,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer, kv=kv_routing)  # fmt: skip
-    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle)
+                          tracer=tracer, adapters=loader, kv=kv_routing,
+                          prompt_ids=prompt_tokens.prompt_ids)  # fmt: skip
+    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

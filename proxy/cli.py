@@ -29,7 +29,7 @@ from vllm_etcd_proxy.fleet.etcd import (
     parse_endpoints,
 )
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
-from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, validate_kv_endpoint
+from vllm_etcd_proxy.fleet.records import KeyLayout, kv_event_flags
 from vllm_etcd_proxy.proxy.app import build_app
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
 from vllm_etcd_proxy.proxy.operations.info import Lifecycle
@@ -41,7 +41,7 @@ from vllm_etcd_proxy.proxy.tracing.spans import traces_endpoint
 ENV_PREFIX = "VLLM_PROXY_"
 WORKER_READY_WAIT = 15.0
 """Seconds a starting worker waits to be ready (etcd synced, a node routable) before it takes connections."""
-LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "kv_events"}
+LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer", "kv_events"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--pd-min-prompt-tokens", type=int, default=0, help="for a prefill/decode model: a prompt with fewer new "
         "tokens than this (those no earlier request had, so no prefix cache holds) skips the prefill leg and goes "
         "straight to a decode node (default 0: never)")  # fmt: skip
+    add("--tokenizer", action="append", default=[], metavar="MODEL=PATH_OR_HUB_ID", help="the tokenizer of MODEL "
+        "for routing on token ids: a directory with tokenizer.json (and tokenizer_config.json for the chat "
+        "template), or a hub id (fetched at start); repeatable; default: the model card's root when it is such "
+        "a directory")  # fmt: skip
     add("--scrape-load", type=float, default=0.5, help="seconds between scrapes of each node's /metrics (running "
         "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)")  # fmt: skip
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
@@ -140,19 +144,12 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def kv_event_flags(items: Sequence[str]) -> tuple[tuple[str, str, str | None], ...]:
-    """``--kv-events NODE=ENDPOINT[,REPLAY]`` values as (node, endpoint, replay); ValueError saying what is wrong."""
-    found = []
-    for item in items:
-        node, sep, endpoints = item.partition("=")
-        events, _, replay = endpoints.partition(",")
-        if not sep or not node or not events:
-            raise ValueError(f"--kv-events must be NODE=tcp://HOST:PORT[,tcp://HOST:PORT], not {item!r}")
-        try:
-            found.append((node, validate_kv_endpoint(events), validate_kv_endpoint(replay) if replay else None))
-        except InvalidRecord as exc:
-            raise ValueError(f"--kv-events {item}: {exc}") from None
-    return tuple(found)
+def tokenizer_flag(spec: str) -> tuple[str, str]:
+    """``MODEL=PATH_OR_HUB_ID`` of --tokenizer."""
+    model, sep, source = spec.partition("=")
+    if not (sep and model.strip() and source.strip()):
+        raise ValueError(f"--tokenizer {spec!r}: expected MODEL=PATH_OR_HUB_ID")
+    return model.strip(), source.strip()
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -176,6 +173,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_attempts=args.max_attempts, max_resumes=args.max_resumes,
         affinity_header=args.affinity_header.lower(),
         scrape_load=args.scrape_load, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        tokenizers=tuple(tokenizer_flag(spec) for spec in args.tokenizer),
         timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
                                  first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
         ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,

@@ -8,13 +8,16 @@ records each call, so a test can prove which ones reached a node.
   and /tokenize still answer. ``mode=abort`` (vLLM's default) ends the requests already in the engine at their
   next step with finish_reason "abort" (state "aborted" in their records); ``wait`` and ``keep`` let them finish.
 - ``POST /wake_up`` (200, empty), ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``.
-- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter`` ``{"lora_name"}``:
-  200 with vLLM's plain-text success line, or its 400/404 errors.
+- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and ``/v1/unload_lora_adapter`` ``{"lora_name"}``
+  (only with VLLM_ALLOW_RUNTIME_LORA_UPDATING true, else 404 as any unknown route): 200 with vLLM's plain-text
+  success line, or its 400/404 errors (400 "has already been loaded" for a name it has). ``lora_load_time`` and
+  ``lora_load_fail`` (knobs) slow a load down or make it fail; ``lora_loads`` counts those that succeeded.
 - ``POST /reset_prefix_cache``, ``/start_profile``, ``/stop_profile``: 200, empty.
 """
 
 from __future__ import annotations
 
+import asyncio
 from http import HTTPStatus
 
 from starlette.requests import Request
@@ -73,6 +76,13 @@ def _invalid(message: str) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, message, type="InvalidUserInput")
 
 
+def _already(name: str) -> ApiError:
+    return _invalid(
+        f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
+        "set 'load_inplace' to True."
+    )
+
+
 async def load_lora_adapter(request: Request) -> Response:
     engine, record = engine_of(request), new_record(request)
     try:
@@ -81,14 +91,21 @@ async def load_lora_adapter(request: Request) -> Response:
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
         if name in engine.loras and not body.get("load_inplace"):
-            raise _invalid(
-                f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
-                "set 'load_inplace' to True."
-            )
+            raise _already(name)
+        if not engine.settings.enable_lora:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "LoRA is not enabled on this server (--enable-lora).")
+        await asyncio.sleep(engine.knobs.lora_load_time)
+        if (failing := engine.knobs.lora_load_fail) == HTTPStatus.NOT_FOUND:
+            raise ApiError(failing, f"Loading lora {name} failed: No adapter found for {path}", type="NotFoundError")
+        if failing:
+            raise ApiError(failing, f"vllm-sim: injected failure loading lora {name}")
+        if name in engine.loras and not body.get("load_inplace"):
+            raise _already(name)  # loaded by a concurrent call meanwhile
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
     engine.loras[name] = path
+    engine.counters["lora_loads"] += 1
     record.status, record.state = 200, "done"
     engine.log(record)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -119,6 +136,9 @@ ROUTES = [
     Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     Route("/start_profile", profile, methods=["POST"]),
     Route("/stop_profile", profile, methods=["POST"]),
+]
+LORA_ROUTES = [
     Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
     Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
 ]
+"""Served only with VLLM_ALLOW_RUNTIME_LORA_UPDATING true, as in vLLM."""

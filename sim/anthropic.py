@@ -59,7 +59,9 @@ async def messages(request: Request) -> Response:
         max_tokens = body.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise bad_request("Field required: `max_tokens` (a positive integer).", "max_tokens")
-        prompt = tokens.render_chat(_messages(body), add_generation_prompt=True, continue_final_message=False)
+        prompt = tokens.render_chat(
+            _messages(body), add_generation_prompt=True, continue_final_message=False, encoder=engine.encode
+        )
         model = body.get("model")
         record.model, record.stream = (model if isinstance(model, str) else None), bool(body.get("stream"))
         record.prompt_tokens, record.max_tokens = len(prompt), max_tokens

@@ -53,7 +53,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     settings = engine.settings
     record = new_record(request)
     try:
-        req = protocol.parse(kind, await json_body(request, record))
+        req = protocol.parse(kind, await json_body(request, record), engine.encode)
         record.model, record.stream, record.prompt_tokens = req.model, req.stream, req.prompt_tokens
         record.max_tokens, record.kv_transfer_params = req.max_tokens, req.kv_transfer_params
         protocol.check_model(req.model, engine.served_names)
@@ -75,6 +75,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     job = Job(
         record=record, prompt=req.prompt_ids, tokens=answer.tokens, finish_reason=answer.finish_reason,
         kv_loaded=leg.pulled_from is not None, cache_salt=record.cache_salt,
+        adapter=req.model if req.model in engine.loras else None,
     )  # fmt: skip
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
@@ -152,7 +153,8 @@ async def load(request: Request) -> Response:
 async def models(request: Request) -> Response:
     engine = engine_of(request)
     settings = engine.settings
-    return JSONResponse(model_list(settings.models, settings.max_model_len, settings.root, engine.loras))
+    return JSONResponse(model_list(settings.models, settings.max_model_len, settings.root, engine.loras,
+                                   engine.adapters.parents))  # fmt: skip
 
 
 async def metrics(request: Request) -> Response:
@@ -168,7 +170,7 @@ async def tokenize(request: Request) -> Response:
     engine, record = engine_of(request), new_record(request)
     try:
         body = await json_body(request, record)
-        ids = protocol.tokenize_ids(body)
+        ids = protocol.tokenize_ids(body, engine.encode)
         protocol.check_model(body.get("model"), engine.served_names)
     except ApiError as exc:
         engine.reject(record, exc.status)
@@ -269,6 +271,7 @@ def create_app(settings: SimSettings) -> Starlette:
         *tokens_api.ROUTES,
         *anthropic.ROUTES,
         *admin.ROUTES,
+        *(admin.LORA_ROUTES if settings.runtime_lora_updating else ()),
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
     @contextlib.asynccontextmanager

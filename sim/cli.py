@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -12,12 +13,14 @@ from pathlib import Path
 import uvicorn
 
 from vllm_etcd_proxy.fleet.flags import environment_defaults
+from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
 SHUTDOWN_TIMEOUT = 3
 """Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""
+
 
 def _parser() -> argparse.ArgumentParser:
     defaults = SimSettings()
@@ -37,9 +40,26 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add("--model-root", str, defaults.model_root, "the model path vLLM would serve (root of the base model cards)")
     parser.add_argument(
+        "--tokenizer", default="", metavar="DIR", help="encode with the Hugging Face tokenizer in DIR, written "
+        "there if missing (a router can load it; the default root of the model cards)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--write-tokenizer", default="", metavar="DIR", help="write the simulator's Hugging Face tokenizer "
+        "directory (tokenizer.json, tokenizer_config.json with the chat template) to DIR and exit",
+    )  # fmt: skip
+    parser.add_argument(
         "--lora", action="append", default=None, metavar="NAME[=PATH]",
         help="serve a LoRA adapter beside the base model (repeatable; VLLM_SIM_LORA takes a comma-separated list)",
     )  # fmt: skip
+    parser.add_argument(
+        "--lora-modules", action="append", nargs="+", default=None, metavar="NAME=PATH|JSON",
+        help="vLLM's form: NAME=PATH or '{\"name\": N, \"path\": P, \"base_model_name\": B}' (needs --enable-lora)",
+    )  # fmt: skip
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
+    add("--max-loras", int, defaults.max_loras, "adapters in one batch; a request for one more waits")
+    add("--lora-swap-time", float, defaults.lora_swap_time, "seconds an adapter swapped into a slot adds to TTFT")
+    add("--lora-load-time", float, defaults.lora_load_time, "seconds POST /v1/load_lora_adapter takes")
+    add("--lora-load-fail", int, defaults.lora_load_fail, "status every adapter load fails with (0: none)")
     parser.add_argument(
         "--scaling", action="store_true", help="answer everything 503 as a vLLM scaling its elastic EP does",
     )  # fmt: skip
@@ -94,6 +114,16 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     loras = tuple(_lora(spec) for spec in args.lora or ())
     if any(not name for name, _ in loras):
         parser.error("--lora needs a name: NAME or NAME=PATH")
+    groups = [[g] if isinstance(g, str) else g for g in args.lora_modules or ()]  # VLLM_SIM_LORA_MODULES: one
+    modules = [_lora_module(spec) for specs in groups for spec in specs]
+    if None in modules:
+        parser.error("--lora-modules takes NAME=PATH or a JSON object with name and path")
+    if modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    found = [m for m in modules if m is not None]
+    loras += tuple((name, path) for name, path, _ in found)
+    if args.max_loras < 1:
+        parser.error("need --max-loras >= 1")
     try:
         role = Role(args.role)
     except ValueError:
@@ -113,7 +143,15 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         port=args.port,
         models=tuple(models) or SimSettings().models,
         model_root=args.model_root,
+        tokenizer=Path(args.tokenizer).resolve() if args.tokenizer else None,
         loras=loras,
+        lora_bases=tuple((name, base) for name, _, base in found if base),
+        enable_lora=args.enable_lora or bool(loras),
+        max_loras=args.max_loras,
+        runtime_lora_updating=environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        lora_swap_time=args.lora_swap_time,
+        lora_load_time=args.lora_load_time,
+        lora_load_fail=args.lora_load_fail,
         role=role,
         node_id=args.node_id,
         ttft=args.ttft,
@@ -147,7 +185,29 @@ def _lora(spec: str) -> tuple[str, str]:
     return name.strip(), path.strip() or f"/adapters/{name.strip()}"
 
 
+def _lora_module(spec: str) -> tuple[str, str, str] | None:
+    """(name, path, base model or "") from one --lora-modules value, or None when it is neither form."""
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name") or ""
+        if isinstance(name, str) and name and isinstance(path, str) and path:
+            return name, path, str(base)
+        return None
+    name, sep, path = spec.partition("=")
+    return (name.strip(), path.strip(), "") if sep and name.strip() and path.strip() else None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    target = _parser().parse_known_args(argv)[0].write_tokenizer
+    if target:
+        print(vocab.write(target))
+        return
     settings = parse_settings(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger(__name__).info(

@@ -18,13 +18,16 @@ from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+from vllm_etcd_proxy.sim import tokens
 from vllm_etcd_proxy.sim.errors import ApiError
 from vllm_etcd_proxy.sim.knobs import Knobs
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig, Publisher
 from vllm_etcd_proxy.sim.latency import Latencies
+from vllm_etcd_proxy.sim.lora import Adapters
 from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
 from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.settings import SimSettings
+from vllm_etcd_proxy.sim.vocab import HfVocab
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +103,10 @@ class Engine:
                                  listener=self.kv_events)  # fmt: skip
         self._next_block = 1
         self.hung = 0
-        self.loras: dict[str, str] = dict(settings.loras)
+        self.encode: tokens.Encoder = HfVocab(settings.tokenizer).encode if settings.tokenizer else tokens.encode
+        """Text -> ids: the word tokenizer, or with --tokenizer the Hugging Face one written in that directory."""
+        self.adapters = Adapters(settings.loras, dict(settings.lora_bases), settings.max_loras)
+        self.loras: dict[str, str] = self.adapters.paths
         """LoRA adapters served now, name -> path: the startup ones plus /v1/load_lora_adapter's."""
         self.sleep_level = 0
         """0 awake; 1 or 2 after POST /sleep: generation waits for POST /wake_up."""
@@ -206,9 +212,17 @@ class Engine:
             if on_accept is not None:
                 await on_accept()
             record.state = "waiting"
-            await self.slots.acquire()
+            swapped = job.adapter is not None and await self.adapters.enter(job.adapter)
+            try:
+                await self.slots.acquire()
+            except BaseException:
+                if job.adapter is not None:
+                    self.adapters.leave(job.adapter)
+                raise
             lease = self.cache.admit(job.prompt, job.cache_salt)
             try:
+                if swapped:
+                    await asyncio.sleep(self.knobs.lora_swap_time)
                 record.state, record.cached_tokens = "running", lease.hit_tokens
                 self.counters["prefix_cache_queries"] = self.cache.queries
                 self.counters["prefix_cache_hits"] = self.cache.hits
@@ -243,6 +257,8 @@ class Engine:
             finally:
                 self.cache.release(lease, job.tokens[: record.completion_tokens])
                 self.slots.release()
+                if job.adapter is not None:
+                    self.adapters.leave(job.adapter)
         finally:
             record.state = outcome
             record.cancelled = outcome == "cancelled"
@@ -264,7 +280,7 @@ class Engine:
     @property
     def waiting(self) -> int:
         """Requests queued for a slot, plus those held by sleep mode."""
-        return self.slots.waiting + self.asleep
+        return self.slots.waiting + self.asleep + self.adapters.waiting
 
     @property
     def running(self) -> int:
@@ -288,7 +304,7 @@ class Engine:
             "engine_id": self.settings.engine_id,
             "running": self.running,
             "waiting": self.waiting,
-            "counters": dict(self.counters),
+            "counters": {**self.counters, "lora_swaps": self.adapters.swaps},
             "kv_cache": self.cache.stats(),
             "requests": [r.to_json() for r in self.records],
         }

@@ -32,6 +32,9 @@ class Knobs:
     kv_events_hash: str
     scaling: bool
     """While true, every request but /sim/* is answered 503 as by vLLM's elastic-EP scaling (``scaling.py``)."""
+    lora_swap_time: float
+    lora_load_time: float
+    lora_load_fail: int
 
     @classmethod
     def from_settings(cls, settings: SimSettings) -> Knobs:

@@ -82,6 +82,13 @@ class EngineCollector(Collector):
         yield histogram(
             "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", latencies.e2e
         )
+        if engine.settings.enable_lora:
+            # vLLM's label order; each label set a series whose value is when it was last current (sim/lora.py).
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])  # fmt: skip
+            for running, waiting, at in engine.adapters.info_series():
+                info.add_metric([running, str(engine.adapters.max_loras), waiting], at)
+            yield info
 
 
 def make_registry(engine: Engine) -> CollectorRegistry:

@@ -69,12 +69,12 @@ def _token_list(value: Any) -> list[int] | None:
     return list(value)
 
 
-def prompt_ids(prompt: Any) -> list[int]:
+def prompt_ids(prompt: Any, encoder: tokens.Encoder = tokens.encode) -> list[int]:
     """A completions ``prompt``: text, token ids, or a batch of one of those."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokens.encode(prompt)
+        return encoder(prompt)
     ids = _token_list(prompt)
     if ids is not None:
         return ids
@@ -109,7 +109,7 @@ def _opt_bool(body: dict[str, Any], key: str) -> bool | None:
     return value
 
 
-def render_messages(body: dict[str, Any]) -> tuple[list[int], str]:
+def render_messages(body: dict[str, Any], encoder: tokens.Encoder = tokens.encode) -> tuple[list[int], str]:
     """A chat body's prompt ids and the answer's role, applying add_generation_prompt / continue_final_message."""
     add = _opt_bool(body, "add_generation_prompt")
     continue_final = bool(_opt_bool(body, "continue_final_message"))
@@ -119,7 +119,7 @@ def render_messages(body: dict[str, Any]) -> tuple[list[int], str]:
     if continue_final and add is None:
         raise ApiError(400, TEMPLATE_CONFLICT)
     add = add is not False
-    ids = tokens.render_chat(chat, add_generation_prompt=add, continue_final_message=continue_final)
+    ids = tokens.render_chat(chat, add_generation_prompt=add, continue_final_message=continue_final, encoder=encoder)
     return ids, "assistant" if add else chat[-1][0]
 
 
@@ -132,7 +132,7 @@ def _opt_int(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def parse(kind: Kind, body: Any) -> GenRequest:
+def parse(kind: Kind, body: Any, encoder: tokens.Encoder = tokens.encode) -> GenRequest:
     """Validate a request body the way vLLM's pydantic models do (the subset the simulator honours)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
@@ -141,10 +141,10 @@ def parse(kind: Kind, body: Any) -> GenRequest:
         raise bad_request("`model` must be a string.", "model")
     role = "assistant"
     if kind is Kind.COMPLETION:
-        ids = prompt_ids(body.get("prompt"))
+        ids = prompt_ids(body.get("prompt"), encoder)
         max_tokens = _opt_int(body, "max_tokens")
     else:
-        ids, role = render_messages(body)
+        ids, role = render_messages(body, encoder)
         # serving_chat: max_completion_tokens wins over the deprecated max_tokens.
         max_tokens = _opt_int(body, "max_completion_tokens") or _opt_int(body, "max_tokens")
     stream = body.get("stream") or False
@@ -201,16 +201,16 @@ def check_context(req: GenRequest, max_model_len: int) -> None:
         )
 
 
-def tokenize_ids(body: Any) -> list[int]:
+def tokenize_ids(body: Any, encoder: tokens.Encoder = tokens.encode) -> list[int]:
     """POST /tokenize: TokenizeChatRequest when ``messages`` is present, else TokenizeCompletionRequest."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
     if "messages" in body:
-        return render_messages(body)[0]
+        return render_messages(body, encoder)[0]
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_request("`prompt` must be a string.", "prompt")
-    return tokens.encode(prompt)
+    return encoder(prompt)
 
 
 def detokenize_ids(body: Any) -> list[int]:

@@ -82,6 +82,8 @@ class Job:
     """Decode leg with usable remote KV: the first token comes after one itl instead of ttft."""
     cache_salt: str | None = None
     """vLLM's cache_salt: salts the prefix cache's block hashes."""
+    adapter: str | None = None
+    """The LoRA adapter the request names (its ``model``), None for a base model."""
 
     @property
     def finished_as(self) -> str:

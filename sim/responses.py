@@ -75,7 +75,9 @@ def prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any)
     messages = wire.conversation(
         turn, previous.messages if previous else None, wire.output_text(previous.response) if previous else None
     )
-    prompt = tokens.render_chat(messages, add_generation_prompt=True, continue_final_message=False)
+    prompt = tokens.render_chat(
+        messages, add_generation_prompt=True, continue_final_message=False, encoder=engine.encode
+    )
     if len(prompt) >= settings.max_model_len:
         raise bad_request(f"The engine prompt length {len(prompt)} exceeds the max_model_len "
                           f"{settings.max_model_len}. Please reduce prompt.", "input")  # fmt: skip

@@ -34,9 +34,27 @@ class SimSettings:
     model_root: str = ""
     """The model path vLLM was started with (``root`` of the base models' cards); empty means the first served
     name, as vLLM's default served name is the model path."""
+    tokenizer: Path | None = None
+    """Encode text with the Hugging Face tokenizer of this directory (written there when it has none; see
+    ``vocab``) instead of the word tokenizer; it is then the default ``root`` of the base models' cards."""
     loras: tuple[tuple[str, str], ...] = ()
     """LoRA adapters served beside the base model, as vLLM's --lora-modules NAME=PATH: each has a model card with
     ``parent`` the first served name and ``root`` its path, and requests may name it."""
+    lora_bases: tuple[tuple[str, str], ...] = ()
+    """Adapters whose --lora-modules JSON names a ``base_model_name``: their cards' ``parent``."""
+    enable_lora: bool = False
+    """vLLM's --enable-lora: requests may name adapters, the runtime routes may load them (--lora implies it)."""
+    max_loras: int = 1
+    """vLLM's --max-loras: adapters in one batch; a request for one more waits (sim/lora.py)."""
+    runtime_lora_updating: bool = False
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: only then are /v1/load_lora_adapter and /v1/unload_lora_adapter
+    served."""
+    lora_swap_time: float = 0.0
+    """Seconds added to the first token of a request whose adapter had to be swapped into a slot."""
+    lora_load_time: float = 0.0
+    """Seconds POST /v1/load_lora_adapter takes."""
+    lora_load_fail: int = 0
+    """When not 0, POST /v1/load_lora_adapter fails with this status (404: vLLM's "No adapter found")."""
     role: Role = Role.MIXED
     """prefill/decode answer kv_transfer_params like NixlConnector; mixed has no connector and ignores them."""
     node_id: str = ""
@@ -121,7 +139,7 @@ class SimSettings:
     @property
     def root(self) -> str:
         """``root`` of the base models' cards."""
-        return self.model_root or self.served_model
+        return self.model_root or (str(self.tokenizer) if self.tokenizer else "") or self.served_model
 
     @property
     def kv_host(self) -> str:

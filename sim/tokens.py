@@ -26,7 +26,7 @@ answer with the same finish_reason, given the same ``output_len``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from hashlib import blake2b
@@ -95,20 +95,28 @@ def in_vocab(token: object) -> bool:
 _ROLE_MARKERS = {role: _SPECIAL_IDS[f"<|{role}|>"] for role in ("system", "user", "assistant", "tool", "developer")}
 
 
-def _role_ids(role: str) -> list[int]:
+Encoder = Callable[[str], list[int]]
+"""Text -> ids: ``encode`` here, or a Hugging Face tokenizer's (``vocab.HfVocab.encode``)."""
+
+
+def _role_ids(role: str, encoder: Encoder) -> list[int]:
     marker = _ROLE_MARKERS.get(role)
-    return [marker] if marker is not None else [OTHER_ROLE, *encode(role)]
+    return [marker] if marker is not None else [OTHER_ROLE, *encoder(role)]
 
 
 def render_chat(
-    messages: Sequence[tuple[str, str]], *, add_generation_prompt: bool, continue_final_message: bool
+    messages: Sequence[tuple[str, str]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    encoder: Encoder = encode,
 ) -> list[int]:
     """Token ids of ``(role, text)`` messages; the caller has rejected both flags set."""
     ids: list[int] = []
     last = len(messages) - 1
     for i, (role, text) in enumerate(messages):
-        ids += _role_ids(role)
-        ids += encode(text)
+        ids += _role_ids(role, encoder)
+        ids += encoder(text)
         if not (continue_final_message and i == last):
             ids.append(END)
     if add_generation_prompt:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from vllm_etcd_proxy.sim import protocol, tokens
+from vllm_etcd_proxy.sim import protocol, tokens, vocab
 from vllm_etcd_proxy.sim.errors import ApiError, bad_request
 from vllm_etcd_proxy.sim.record import Job
 from vllm_etcd_proxy.sim.recording import engine_of, json_body, new_record
@@ -80,9 +80,11 @@ async def generate(request: Request) -> Response:
 async def tokenizer_info(request: Request) -> Response:
     """vLLM's tokenizer configuration (served there with --enable-tokenizer-info-endpoint)."""
     settings = engine_of(request).settings
+    hf = settings.tokenizer is not None  # --tokenizer: the Hugging Face directory's WordPiece
     return JSONResponse({
-        "tokenizer_class": "VllmSimWordTokenizer", "model_max_length": settings.max_model_len,
-        "vocab_size": tokens.VOCAB_SIZE, "eos_token": "<|eos|>", "special_tokens": list(tokens.SPECIALS[:8]),
+        "tokenizer_class": "PreTrainedTokenizerFast" if hf else "VllmSimWordTokenizer",
+        "model_max_length": settings.max_model_len, "vocab_size": len(vocab.vocabulary()) if hf else tokens.VOCAB_SIZE,
+        "eos_token": "<|eos|>", "special_tokens": list(tokens.SPECIALS[:8]),
     })  # fmt: skip
 
 

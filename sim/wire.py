@@ -144,7 +144,8 @@ def _permission(now: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def model_list(served: tuple[str, ...], max_model_len: int, root: str, loras: dict[str, str]) -> dict[str, Any]:
+def model_list(served: tuple[str, ...], max_model_len: int, root: str, loras: dict[str, str],
+               parents: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     """GET /v1/models: ModelList of ModelCard, each with one ModelPermission, as vLLM's serving_models: base
     models carry ``root`` (the model path) and ``max_model_len``; LoRA adapters their path as ``root``, the first
     served name as ``parent`` and no ``max_model_len``."""
@@ -155,7 +156,8 @@ def model_list(served: tuple[str, ...], max_model_len: int, root: str, loras: di
         for name in served
     ]  # fmt: skip
     cards += [
-        {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": path, "parent": served[0],
+        {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": path,
+         "parent": (parents or {}).get(name, served[0]),
          "max_model_len": None, "permission": [_permission(now)]}
         for name, path in loras.items()
     ]  # fmt: skip

@@ -19,7 +19,13 @@ import logging
 import time
 from collections import deque
 
-from vllm_etcd_proxy.fleet.vllm import read_asleep, read_node_load, read_prefix_cache, read_token_latency
+from vllm_etcd_proxy.fleet.vllm import (
+    read_asleep,
+    read_lora_info,
+    read_node_load,
+    read_prefix_cache,
+    read_token_latency,
+)
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.discovery.schedule import Schedule
 from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed
@@ -165,6 +171,9 @@ class LoadWatcher:
         cache = read_prefix_cache(page)
         now = time.monotonic()
         self._pool.set_asleep(state, bool(asleep))
+        lora = read_lora_info(page)
+        if lora is not None or state.max_loras is not None:
+            self._pool.set_lora(state, *(lora or (frozenset(), frozenset(), None)))
         self._pool.set_load(state, *(parsed or (0, 0, 0.0)), at=now)
         if latency is not None:
             tracker = self._latency.setdefault(state.entry_key, TokenLatency())

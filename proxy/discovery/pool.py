@@ -163,6 +163,20 @@ class Pool:
                 self._reindex(state)
                 self._changed()
 
+    def set_adapter_loaded(self, state: NodeState, name: str, loaded: bool) -> None:
+        """This replica loaded LoRA adapter ``name`` on the node, or learned the node no longer has it."""
+        adapters = tuple(a for a in state.loaded_adapters if a != name) + ((name,) if loaded else ())
+        if adapters != state.loaded_adapters:
+            current = self._entries.get(state.entry_key) is state
+            if current:
+                self._unindex(state)
+            state.loaded_adapters = adapters
+            if not loaded and name in state.learned_models:
+                state.learned_models = tuple(m for m in state.learned_models if m != name)
+            if current:
+                self._reindex(state)
+                self._changed()
+
     # -- what others saw of a node (the one place NodeState is written) ---------------------------------------
 
     def request_started(self, state: NodeState) -> None:
@@ -176,6 +190,10 @@ class Pool:
         """The node's own figures from its /metrics (every replica's requests, not only ours), scraped at ``at``."""
         state.node_running, state.node_waiting, state.kv_usage = running, waiting, kv_usage
         state.load_at = at
+
+    def set_lora(self, state: NodeState, running: frozenset[str], waiting: frozenset[str], slots: int | None) -> None:
+        """The node's adapters with running and waiting requests, and its slots (``vllm:lora_requests_info``)."""
+        state.lora_running, state.lora_waiting, state.max_loras = running, waiting, slots
 
     def set_asleep(self, state: NodeState, asleep: bool) -> None:
         """What the node's /metrics says of its sleep mode (read live by ``admits``: no index to rebuild)."""

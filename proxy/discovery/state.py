@@ -52,6 +52,14 @@ class NodeState:
     """The node's /metrics says its engine sleeps (vLLM's sleep mode): no new requests until it wakes."""
     busy_until: float = 0.0
     """monotonic() time until which the node gets no new requests: it answered 503 (scaling, overloaded)."""
+    loaded_adapters: tuple[str, ...] = ()
+    """LoRA adapters this replica loaded on the node (served beside ``models`` until the node says otherwise)."""
+    lora_running: frozenset[str] = frozenset()
+    """Adapters with running requests on the node (its newest ``vllm:lora_requests_info``; --scrape-load)."""
+    lora_waiting: frozenset[str] = frozenset()
+    """Adapters with requests waiting on the node (same gauge)."""
+    max_loras: int | None = None
+    """The node's adapter slots (``max_lora`` of the gauge); None when it does not say."""
 
     @property
     def entry_key(self) -> str:
@@ -63,7 +71,10 @@ class NodeState:
 
     @property
     def models(self) -> tuple[str, ...]:
-        return self.node.models or self.learned_models
+        base = self.node.models or self.learned_models
+        if not self.loaded_adapters:
+            return base
+        return base + tuple(a for a in self.loaded_adapters if a not in base)
 
     @property
     def cards(self) -> Mapping[str, ModelCard]:

@@ -69,6 +69,10 @@ class ProxyMetrics:
         self.admin_changes = Counter(
             "vllm_proxy_admin_changes", "Admin API calls that changed the pools.", ["action"], registry=registry
         )
+        self.adapter_loads = Counter(
+            "vllm_proxy_adapter_loads", "LoRA adapter loads this replica asked of nodes, by adapter and outcome: "
+            "loaded, already (the node had it), failed.", ["adapter", "outcome"], registry=registry,
+        )  # fmt: skip
         self.admin_denied = Counter(
             "vllm_proxy_admin_denied", "Admin API calls refused (disabled or wrong key).", registry=registry
         )

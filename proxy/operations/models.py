@@ -4,7 +4,7 @@ A card is what the nodes' own ``/v1/models`` says of the model (``root``, ``pare
 ``permission``, ...), from the node records or from asking the node. Where nodes disagree, the card of the node
 with the smallest node id is taken (so every replica shows the same), except ``max_model_len``, the smallest of all
 (a prompt sized by it fits whichever node serves it), and ``created``, the earliest. A model no node gave a card
-for gets the plain OpenAI entry.
+for gets the plain OpenAI entry. LoRA adapters registered in etcd whose base model is served are listed too.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from vllm_etcd_proxy.fleet.adapters import Adapter
 from vllm_etcd_proxy.fleet.vllm import ModelCard
+from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys
@@ -35,10 +37,17 @@ def merge_cards(model: str, cards: list[ModelCard], now: int) -> dict[str, Any]:
     return merged
 
 
+def adapter_card(adapter: Adapter, now: int) -> dict[str, Any]:
+    """A registered LoRA adapter no node lists yet, as vLLM lists an adapter (``root`` its path)."""
+    return {"id": adapter.name, "object": "model", "created": now, "owned_by": "vllm", "root": adapter.path,
+            "parent": adapter.base, "max_model_len": None}  # fmt: skip
+
+
 class ModelRoutes:
-    def __init__(self, pool: Pool, keys: ClientKeys) -> None:
+    def __init__(self, pool: Pool, keys: ClientKeys, adapters: AdapterRegistry | None = None) -> None:
         self._pool = pool
         self._keys = keys
+        self._adapters = adapters
 
     def routes(self) -> list[Route]:
         return [
@@ -55,8 +64,14 @@ class ModelRoutes:
                 for model in state.models:
                     found.setdefault(model, []).append((state.node.node_id, cards.get(model)))
         now = int(time.time())
-        return {model: merge_cards(model, [c for _, c in sorted(found[model], key=lambda p: p[0]) if c is not None],
-                                   now) for model in sorted(found)}  # fmt: skip
+        merged = {model: merge_cards(model, [c for _, c in sorted(found[model], key=lambda p: p[0]) if c is not None],
+                                     now) for model in sorted(found)}  # fmt: skip
+        # Registered adapters of a base model the fleet serves, loaded somewhere or not (issue 19).
+        extra = [a for a in (self._adapters.all() if self._adapters else ()) if a.base in found and a.name not in found]
+        if not extra:
+            return merged
+        merged.update((a.name, adapter_card(a, now)) for a in extra)
+        return dict(sorted(merged.items()))
 
     async def list_models(self, request: Request) -> Response:
         self._keys.check(request.headers.get("authorization"))

@@ -22,12 +22,9 @@ from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 class Policy(Protocol):
     name: str
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> NodeState | None:  # fmt: skip
-        """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty. ``prompt``: the
-        request's token ids when known (only kv-aware reads them)."""
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+        """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty (``prompt``: kv-aware's)."""
 
 
 def _untried(candidates: Sequence[NodeState], tried: Collection[NodeState]) -> Sequence[NodeState]:
@@ -54,10 +51,8 @@ class RoundRobin:
     def _among(self, pool: Sequence[NodeState]) -> Sequence[NodeState]:
         return pool
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> NodeState | None:  # fmt: skip
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if not pool:
             return None
@@ -88,10 +83,8 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> NodeState | None:  # fmt: skip
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if len(pool) <= 1:
             return pool[0] if pool else None
@@ -128,10 +121,8 @@ class ConsistentHash:
         self._owners = [u for _, u in pairs]
         self._ring_of = urls
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> NodeState | None:  # fmt: skip
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool, (), key)
@@ -232,10 +223,8 @@ class CacheAware:
             self._weights = None if all(w == 1.0 for w in weights) else weights
         return self._weights
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> NodeState | None:  # fmt: skip
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool)
@@ -266,8 +255,7 @@ class CacheAware:
 POLICIES: dict[str, type[RoundRobin] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
 KV_AWARE = "kv-aware"
-"""Routing by the blocks each node says it holds (its KV-cache events; routing/kvchoice.py), built by the app with
-the replica's index: cache-aware for requests and nodes the events say nothing about."""
+"""By the nodes' KV-cache events (routing/kvchoice.py, built by the app with the index); else cache-aware."""
 POLICY_NAMES = sorted([*POLICIES, KV_AWARE])
 AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name, KV_AWARE])
 """Policies that route by an affinity key (the request's session, user or prompt prefix)."""
@@ -281,3 +269,45 @@ def make_policy(name: str) -> Policy:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
+
+
+# -- LoRA adapters (issue 19) ----------------------------------------------------------------------------------
+
+ADAPTER_SLACK = 4
+"""Requests more than the least loaded candidate a node may carry and still be preferred for its adapter."""
+
+
+def prefer_adapter(candidates: list[NodeState], adapter: str) -> list[NodeState]:
+    """The candidates for a request of LoRA adapter ``adapter`` that the policy then chooses among: those where
+    it is active (running in the node's ``vllm:lora_requests_info``: waiting there means the node's slots are
+    taken, no reason to send more); else, of those with a free
+    adapter slot, its home node (ranked first by a hash of adapter and node, alike on every replica, so that an
+    adapter comes back to the node that still holds it in a slot), then all of those; else all. A choice is
+    skipped when even its least loaded node carries ``ADAPTER_SLACK`` more requests than the least loaded
+    candidate (the adapter then spreads rather than queue on its nodes). Candidates none of which shows the gauge
+    (no LoRA, or no --scrape-load) are left as they are."""
+    if len(candidates) <= 1 or all(s.max_loras is None for s in candidates):
+        return candidates
+
+    def tier(state: NodeState) -> int:
+        if adapter in state.lora_running:
+            return 0
+        slots = state.max_loras
+        # Requests of some adapter waiting there: its slots are taken, however many the gauge says run.
+        return 1 if slots is None or (len(state.lora_running) < slots and not state.lora_waiting) else 2
+
+    loads = {id(s): node_load(s) for s in candidates}
+    bound = min(loads.values()) + ADAPTER_SLACK
+    tiers = [tier(s) for s in candidates]
+    active = [s for s, t in zip(candidates, tiers, strict=True) if t == 0]
+    if active and min(loads[id(s)] for s in active) < bound:
+        return active
+    free = [s for s, t in zip(candidates, tiers, strict=True) if t == 1]
+    if free:
+        home = max(free, key=lambda s: _stable_hash(f"{adapter}#{s.node.node_id}"))
+        if loads[id(home)] < bound:
+            return [home]
+        either = active + free
+        if len(either) < len(candidates) and min(loads[id(s)] for s in either) < bound:
+            return either
+    return candidates

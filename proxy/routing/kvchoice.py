@@ -123,11 +123,11 @@ class KvRouting:
             found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
         return found
 
-    def uncached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> int | None:
-        """The prompt's tokens that the tracked node holding most of it lacks (None: no node tracked)."""
+    def uncached(self, prompt: KvPrompt, pool: Sequence[NodeState], default: int | None = None) -> int | None:
+        """The prompt's tokens that the tracked node holding most of it lacks (``default``: no node tracked)."""
         cached = self.cached(prompt, pool)
         if not cached:
-            return None
+            return default
         return len(prompt.ids) - max(tokens for _, tokens, _ in cached)
 
 
@@ -146,10 +146,8 @@ class KvAware:
         self._routing.decisions[reason] += 1
         return state
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> NodeState | None:  # fmt: skip
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if prompt is None or len(pool) <= 1:
             return self._decided("fallback", self._fallback.choose(pool, (), key))

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm_etcd_proxy.fleet.adapters import Adapter
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
@@ -27,6 +28,7 @@ from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
 from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
 from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, PromptIds, read_prompt, token_id_prompt
+from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
 from vllm_etcd_proxy.proxy.serving.forms import media_type, multipart_field, urlencoded_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
@@ -69,12 +71,11 @@ class OpenAIRoutes:
         affinity: bool = False,
         websockets: ASGIApp | None = None,
         tracer: Tracer | None = None,
+        adapters: AdapterLoader | None = None,
         kv: KvRouting | None = None,
         prompt_ids: PromptIds = token_id_prompt,
     ) -> None:
-        self._tracer = tracer
-        self._kv = kv
-        self._prompt_ids = prompt_ids
+        self._tracer, self._adapters, self._kv, self._prompt_ids = tracer, adapters, kv, prompt_ids
         self._websockets = websockets
         self._ids = ResponseIds(pool)
         self._affinity = affinity
@@ -115,7 +116,10 @@ class OpenAIRoutes:
             return
         if any(model in s.models for s in self._pool.all()):
             raise NoNodeAvailable(f"no node is available for model {model!r} right now; retry shortly")
-        known = ", ".join(self._pool.models()) or "none"
+        served = self._pool.models()
+        if self._adapters is not None:  # registered LoRA adapters are known models too (issue 19)
+            served = sorted({*served, *(a.name for a in self._adapters.listed(served))})
+        known = ", ".join(served) or "none"
         raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, path: str, kind: Kind) -> None:
@@ -260,11 +264,9 @@ class OpenAIRoutes:
         pool, model, head = self._pool, request.model, request.head
         if body is not None and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
             uncached = request.uncached_tokens
-            if request.prompt is not None and self._kv is not None and self._pd_min_prompt_tokens:
-                # The index knows exactly how much of the prompt the best-placed node lacks.
-                nodes = [s for r in Role for s in pool.candidates(r, model)]
-                exact = self._kv.uncached(request.prompt, nodes)
-                uncached = exact if exact is not None else uncached
+            kv, prompt = self._kv, request.prompt
+            if kv is not None and prompt is not None and self._pd_min_prompt_tokens:  # the index's exact count
+                uncached = kv.uncached(prompt, [s for r in Role for s in pool.candidates(r, model)], uncached)
             if uncached is not None and uncached < self._pd_min_prompt_tokens:
                 # So little of the prompt is new that a prefill leg costs more than it saves.
                 return "decode", self._one_leg(request, raw, (Role.DECODE, Role.MIXED), avoid)
@@ -276,15 +278,29 @@ class OpenAIRoutes:
                                         prompt=request.prompt)  # fmt: skip
 
             return "disagg", disaggregated
+        if self._adapters is not None and (adapter := self._adapters.registered(model)) is not None:
+            return "mixed", self._adapter_leg(request, raw, adapter, avoid)
         self._check_routable(model, _MIXED_ROLES)
         return "mixed", self._one_leg(request, raw, _MIXED_ROLES, avoid)
+
+    def _adapter_leg(self, request: _Request, raw: bytes, adapter: Adapter,
+                     avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
+        """A registered LoRA adapter's request: loaded on a node first when none has it (serving/adapters.py)."""
+        assert self._adapters is not None
+        loader, one_leg = self._adapters, self._one_leg(request, raw, _MIXED_ROLES, avoid)
+
+        async def adapted() -> Upstream | ErrorAnswer:
+            return await with_adapter(loader, adapter, one_leg)
+
+        return adapted
 
     def _one_leg(self, request: _Request, raw: bytes, roles: tuple[Role, ...],
                  avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
         # Not disaggregated: the body goes to the node byte for byte.
         leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method,
-                  trace=request.trace, prompt=request.prompt)  # fmt: skip
+                  trace=request.trace, prompt=request.prompt,
+                  prefer=self._adapters.prefer(request.model) if self._adapters is not None else None)  # fmt: skip
         return self._open(leg, avoid)
 
 
@@ -300,5 +316,4 @@ class _Request(NamedTuple):
     affinity: str | None
     uncached_tokens: int | None
     trace: RequestTrace | None
-    prompt: KvPrompt | None = None
-    """The prompt's token ids for the kv-aware policy (None: unknown, or no node publishes KV events)."""
+    prompt: KvPrompt | None = None  # the token ids for kv-aware (None: unknown, or no node publishes KV events)

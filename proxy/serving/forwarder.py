@@ -76,6 +76,8 @@ class Leg(NamedTuple):
     """The body for the node chosen, when it depends on the node (instead of ``body``)."""
     trace: RequestTrace | None = None
     """The client request's span when tracing is on: each attempt is a child span, and the node's parent."""
+    prefer: Callable[[list[NodeState]], list[NodeState]] | None = None
+    """Narrows the candidates before the policy chooses (a LoRA adapter's nodes where it is active first)."""
     prompt: KvPrompt | None = None
     """The request's token ids, when known, for the kv-aware policy."""
 
@@ -157,7 +159,7 @@ class Forwarder:
         for role in leg.roles:
             found = self._pool.candidates(role, leg.model)
             if found:
-                return role, found
+                return role, found if leg.prefer is None else leg.prefer(found)
         return leg.roles[0], []
 
     async def open(self, leg: Leg, avoid: Collection[NodeState] = ()) -> Upstream | ErrorAnswer:

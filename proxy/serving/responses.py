@@ -36,6 +36,8 @@ class ResponseIds:
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self._tokens: dict[str, str] = {}
+        self._holders: dict[str, str] = {}
+        """Node token -> the pool entry key last seen holding it, so a lookup by id is O(1), not a scan."""
 
     def token(self, node_id: str) -> str:
         token = self._tokens.get(node_id)
@@ -46,7 +48,14 @@ class ResponseIds:
         return token
 
     def mint(self, state: NodeState) -> str:
-        return f"resp_vp{self.token(state.node.node_id)}{os.urandom(12).hex()}"
+        token = self.token(state.node.node_id)
+        self._remember(token, state)
+        return f"resp_vp{token}{os.urandom(12).hex()}"
+
+    def _remember(self, token: str, state: NodeState) -> None:
+        if len(self._holders) >= _MAX_TOKENS_KEPT:
+            self._holders.clear()
+        self._holders[token] = state.entry_key
 
     @staticmethod
     def is_ours(response_id: str) -> bool:
@@ -63,8 +72,13 @@ class ResponseIds:
                 param="response_id",
             )
         token = match.group(1)
-        for state in self._pool.all():
+        key = self._holders.get(token)
+        known = self._pool.get(key) if key is not None else None
+        if known is not None and self.token(known.node.node_id) == token:
+            return known
+        for state in self._pool.all():  # minted by another replica, or the node re-registered under a new key
             if self.token(state.node.node_id) == token:
+                self._remember(token, state)
                 return state
         raise ResponseNotFound(
             f"Response with id '{response_id}' not found: the node that made it has left the fleet, and a "

@@ -81,3 +81,24 @@ def test_unknown_policy_names_the_known_ones() -> None:
         assert "consistent-hash" in str(exc) and "least-load" in str(exc)
     else:
         raise AssertionError("no error")
+
+
+def test_an_adapters_requests_prefer_nodes_where_it_is_active_then_a_free_slot_unless_they_are_much_busier() -> None:
+    """Tiers: active, then a free slot (its home node first), then all; without the gauge, no preference."""
+    from vllm_etcd_proxy.proxy.routing.balancer import ADAPTER_SLACK, prefer_adapter
+
+    active, free, full = nodes(3)
+    active.lora_running, active.max_loras = frozenset({"sql", "x"}), 2
+    free.lora_running, free.max_loras = frozenset({"x"}), 2
+    full.lora_running, full.max_loras = frozenset({"x", "y"}), 2
+    assert prefer_adapter([active, free, full], "sql") == [active]
+    assert prefer_adapter([free, full], "sql") == [free]
+    full.lora_running, full.lora_waiting = frozenset(), frozenset({"y"})  # slots taken: something waits there
+    assert prefer_adapter([free, full], "sql") == [free]
+    full.lora_running, full.lora_waiting = frozenset({"x", "y"}), frozenset()
+    active.in_flight = ADAPTER_SLACK
+    assert prefer_adapter([active, free, full], "sql") == [free]
+    free.in_flight = ADAPTER_SLACK
+    assert prefer_adapter([active, free, full], "sql") == [active, free, full]
+    plain = nodes(3)
+    assert prefer_adapter(plain, "sql") == plain

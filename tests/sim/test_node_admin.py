@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.sim_node import SimNode
+from tests.support.sim_node import RUNTIME_LORA, SimNode
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
@@ -20,8 +20,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
     logs = tmp_path_factory.mktemp("sim-admin")
-    with SimNode(logs, model=[MODEL, "alias"], model_root="/models/sim", lora=["sql", "chat=/loras/chat"],
-                 max_model_len=2048, ttft=0.01, itl=0.002) as started:  # fmt: skip
+    with SimNode(logs, env=RUNTIME_LORA, model=[MODEL, "alias"], model_root="/models/sim",
+                 lora=["sql", "chat=/loras/chat"], max_model_len=2048, ttft=0.01, itl=0.002) as started:  # fmt: skip
         yield started
 
 

@@ -10,7 +10,8 @@
 
 Keyword knobs are the CLI flags with underscores (``max_num_seqs=1``, ``api_key="k"``, ``hang=True``); a
 ``list``/``tuple`` value repeats the flag (``model=["a", "b"]``, ``lora=["sql", "chat=/loras/chat"]``). See
-``python -m vllm_etcd_proxy.sim --help``.
+``python -m vllm_etcd_proxy.sim --help``. ``env`` adds environment variables (``RUNTIME_LORA`` serves the runtime
+LoRA routes, as ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` does in vLLM).
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ import httpx
 
 from tests.support.procs import HOST, Proc, free_port, http_ok, python_module, wait_until
 
+RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+
 
 class SimNode:
     """One simulated vLLM node. ``url`` is ``http://127.0.0.1:PORT``; ``host_port`` is also its node id."""
 
-    def __init__(self, log_dir: Path, name: str | None = None, *, port: int | None = None, **knobs: Any):
+    def __init__(self, log_dir: Path, name: str | None = None, *, port: int | None = None,
+                 env: dict[str, str] | None = None, **knobs: Any):  # fmt: skip
         self.log_dir = log_dir
+        self.env = env
         self.port = port or free_port()
         self.name = name or f"sim-{self.port}"
         self.knobs = knobs
@@ -58,7 +63,7 @@ class SimNode:
 
     def start(self, timeout: float = 15.0, wait_healthy: bool = True) -> SimNode:
         """Start the process; wait until /health is 200 (or, with ``wait_healthy=False``, until it answers)."""
-        proc = self.proc = Proc(self.name, self.argv(), self.log_dir)
+        proc = self.proc = Proc(self.name, self.argv(), self.log_dir, env=self.env)
         path = "/health" if wait_healthy else "/sim/config"
 
         def up_or_dead() -> bool:
