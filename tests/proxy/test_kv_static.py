@@ -78,3 +78,39 @@ def test_an_unreachable_publisher_leaves_its_node_to_content_affinity(logs_dir: 
     finally:
         proxy.stop()
         node.stop()
+
+
+def test_a_chat_finds_the_blocks_of_its_rendered_prompt(logs_dir: Path, tmp_path: Path) -> None:
+    tokenizer = tmp_path / "sim-tokenizer"
+    nodes, flags = zip(*(publishing(logs_dir, f"kv-chat-{n}", tokenizer=tokenizer) for n in "ab"), strict=True)
+    proxy = ProxyProc(logs_dir, "--mixed", *(n.host_port for n in nodes),
+                      *(arg for flag in flags for arg in ("--kv-events", flag)))  # fmt: skip
+    words = "the proxy routes each request to a node that serves the model and streams tokens back as they come"
+
+    def chat(topic: str, *more: dict[str, str]) -> dict[str, object]:
+        messages = [{"role": "system", "content": f"{topic} {words}"}, {"role": "user", "content": words}, *more]
+        return {"model": "sim-model", "messages": messages, "max_tokens": 1}
+
+    try:
+        for node in nodes:
+            wait_until(lambda n=node: kv_state(proxy, n)["tracked"], 10, f"{node.name} tracked")
+
+        def tokenizing() -> bool:  # the tokenizer loads in a thread: until then chats are routed by content
+            before = decisions(proxy)["fallback"]
+            assert proxy.post("/v1/chat/completions", json=chat("probe")).status_code == 200
+            return decisions(proxy)["fallback"] == before
+
+        wait_until(tokenizing, 20, "the proxy tokenizing chats", interval=0.2)
+        holder = nodes[1]
+        seen = kv_state(proxy, holder)["batches"]
+        assert httpx.post(f"{holder.url}/v1/chat/completions", json=chat("first"), timeout=10).status_code == 200
+        wait_until(lambda: kv_state(proxy, holder)["batches"] > seen, 10, "the holder's events")  # type: ignore[operator]
+        before = decisions(proxy)["cached_prefix"]
+        answer = proxy.post("/v1/chat/completions", json=chat("first", {"role": "assistant", "content": "yes"},
+                                                              {"role": "user", "content": "and then"}))  # fmt: skip
+        assert answer.status_code == 200 and answer.headers["x-sim-node"] == holder.host_port
+        assert decisions(proxy)["cached_prefix"] == before + 1
+    finally:
+        proxy.stop()
+        for node in nodes:
+            node.stop()
