@@ -169,7 +169,8 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
             if front.kind == "proxy" and front.policy == "kv-aware":
                 events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
                 flags += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events,
-                                                            "replay_endpoint": replay})]  # fmt: skip
+                                                            "replay_endpoint": replay}),
+                          "--tokenizer", str(fleet.log_dir / "tokenizer")]  # the replicas tokenize with it # fmt: skip
             node = fleet.start(spec.name, "vllm_etcd_proxy.sim", flags, "/health")
             self.nodes.append(node)
             if "--kv-events-config" in flags:
