@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -161,10 +162,19 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
 
     def _start(self) -> None:
         fleet, front = self._fleet, self._frontend
+        # kv-aware replicas route by the nodes' KV-cache events: the nodes publish them, the replicas are told where.
+        kv_flags: list[str] = []
         for spec in self.specs:
-            self.nodes.append(
-                fleet.start(spec.name, "vllm_etcd_proxy.sim", node_flags(spec, **self._node_args), "/health")
-            )
+            flags = node_flags(spec, **self._node_args)
+            if front.kind == "proxy" and front.policy == "kv-aware":
+                events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
+                flags += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events,
+                                                            "replay_endpoint": replay}),
+                          "--tokenizer", str(fleet.log_dir / "tokenizer")]  # the replicas tokenize with it # fmt: skip
+            node = fleet.start(spec.name, "vllm_etcd_proxy.sim", flags, "/health")
+            self.nodes.append(node)
+            if "--kv-events-config" in flags:
+                kv_flags += ["--kv-events", f"{HOST}:{node.port}={events},{replay}"]
         fleet.wait_ready()
         by_role = {role: [f"{HOST}:{n.port}" for n, s in zip(self.nodes, self.specs, strict=True) if s.role == role]
                    for role in ("mixed", "prefill", "decode")}  # fmt: skip
@@ -174,7 +184,7 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
             if front.kind == "proxy":
                 pools = [arg for role, hosts in by_role.items() if hosts for arg in (f"--{role}", *hosts)]
                 args = [*pools, "--model", MODEL, "--log-level", "warning", "--scrape-load", str(self._scrape_load),
-                        "--policy", front.policy, *front.extra]  # fmt: skip
+                        "--policy", front.policy, *kv_flags, *front.extra]  # fmt: skip
                 server = fleet.start(f"proxy{i}", "vllm_etcd_proxy.proxy", args, "/ready")
                 ready.append((server, "/ready"))
             else:

@@ -49,7 +49,8 @@ def vllm_router(policy: str, replicas: int) -> Router:
 
 def full_set(proxy_replicas: tuple[int, ...], router_replicas: tuple[int, ...]) -> tuple[Router, ...]:
     """Every router the issue names, at every replica count."""
-    policies = (("cache-aware", False), ("consistent-hash", False), ("consistent-hash", True), ("least-load", False))
+    policies = (("kv-aware", False), ("cache-aware", False), ("consistent-hash", False), ("consistent-hash", True),
+                ("least-load", False))  # fmt: skip
     ours = [proxy(p, r, h) for p, h in policies for r in proxy_replicas]
     peers = [vllm_router(p, r) for p in ("cache_aware", "sticky_least_loaded") for r in router_replicas]
     return (ORACLE, SPRAY, *ours, *peers)
@@ -88,12 +89,13 @@ def scenarios(
     """Every scenario by name, in running order. ``quick`` keeps a few routers per scenario (a smoke run)."""
     full = full_set(proxy_replicas, router_replicas)
     r_mid = proxy_replicas[len(proxy_replicas) // 2]
-    few = (ORACLE, SPRAY, *(proxy(p, r) for p in ("cache-aware",) for r in proxy_replicas),
+    few = (ORACLE, SPRAY, *(proxy(p, r) for p in ("kv-aware", "cache-aware") for r in proxy_replicas),
            proxy("consistent-hash", r_mid, header=True), proxy("least-load", r_mid),
            vllm_router("cache_aware", router_replicas[-1]),
            *(vllm_router("sticky_least_loaded", r) for r in router_replicas))  # fmt: skip
     pd_routers = (*(proxy("cache-aware", r, extra=("--pd-min-prompt-tokens", str(m)))
                     for m in (0, 256) for r in router_replicas),
+                  proxy("kv-aware", router_replicas[-1], extra=("--pd-min-prompt-tokens", "256")),
                   proxy("least-load", router_replicas[-1], extra=("--pd-min-prompt-tokens", "0")))  # fmt: skip
     if quick:
         full = (ORACLE, proxy("cache-aware", r_mid), vllm_router("sticky_least_loaded", 1))
@@ -112,6 +114,11 @@ def scenarios(
             name="completions", routers=few, api="completions", system_words=short_words,
             description=f"/v1/completions, the conversation as one text prompt, shared preamble of {short_words} "
             "words",
+        ),
+        "token-ids": Scenario(
+            name="token-ids", routers=few, api="token-ids", system_words=short_words,
+            description=f"completions's workload with the prompt as token ids (which the kv-aware index reads "
+            f"without a tokenizer), shared preamble of {short_words} words",
         ),
         "slow-node": Scenario(
             name="slow-node", routers=few if not quick else full[1:2], system_words=short_words,

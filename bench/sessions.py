@@ -37,10 +37,11 @@ import httpx
 import orjson
 
 from bench.procs import own_cpu_seconds
+from vllm_etcd_proxy.sim.tokens import encode
 
 T = TypeVar("T")
 PATH = "/v1/chat/completions"
-PATHS = {"chat": PATH, "completions": "/v1/completions"}
+PATHS = {"chat": PATH, "completions": "/v1/completions", "token-ids": "/v1/completions"}
 """The endpoint of each ``Workload.api``."""
 REQUEST_ID_HEADER = "X-Request-Id"
 NODE_HEADER = "x-sim-node"
@@ -268,6 +269,8 @@ class _Conversation:
     def body(self) -> bytes:
         w = self._workload
         prompt: dict[str, Any] = {"messages": self.messages} if w.api == "chat" else {"prompt": self.text}
+        if w.api == "token-ids":  # the same text as the simulator's tokenizer reads it: its cache sees alike
+            prompt = {"prompt": encode(self.text)}
         return orjson.dumps({
             "model": w.model, **prompt, "max_tokens": w.max_tokens,
             "stream": True, "stream_options": {"include_usage": True},

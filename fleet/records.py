@@ -65,6 +65,10 @@ class Node:
     """True when the record named no models, so the proxy asks the node."""
     cards: Mapping[str, ModelCard] = field(default_factory=dict)
     """The node's own model list entries by model id (from the record's ``model_cards``), when it gave them."""
+    kv_events: str | None = None
+    """``tcp://HOST:PORT`` of the node's KV-cache event publisher (vLLM's ``--kv-events-config``), if any."""
+    kv_events_replay: str | None = None
+    """``tcp://HOST:PORT`` of that publisher's replay socket, if any."""
 
     @property
     def host_port(self) -> str:
@@ -119,6 +123,33 @@ def validate_url(url: str) -> str:
     if port == 0:
         raise InvalidRecord("url has port 0")
     return url.rstrip("/")
+
+
+def validate_kv_endpoint(text: str, field_name: str = "kv_events") -> str:
+    """Check a KV-event endpoint, ``tcp://HOST:PORT`` (a name, IPv4, or ``[IPv6]``); return it unchanged."""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme != "tcp":
+        raise InvalidRecord(f"{field_name} must be tcp://HOST:PORT, not {text[:64]!r}")
+    try:
+        split_host_port(rest)
+    except InvalidRecord:
+        raise InvalidRecord(f"{field_name} must be tcp://HOST:PORT, not {text[:64]!r}") from None
+    return text
+
+
+def kv_event_flags(items: Iterable[str]) -> tuple[tuple[str, str, str | None], ...]:
+    """``--kv-events NODE=ENDPOINT[,REPLAY]`` values as (node, endpoint, replay); ValueError saying what is wrong."""
+    found = []
+    for item in items:
+        node, sep, endpoints = item.partition("=")
+        events, _, replay = endpoints.partition(",")
+        try:
+            if not sep or not node or not events:
+                raise InvalidRecord("must be NODE=tcp://HOST:PORT[,tcp://HOST:PORT]")
+            found.append((node, validate_kv_endpoint(events), validate_kv_endpoint(replay) if replay else None))
+        except InvalidRecord as exc:
+            raise ValueError(f"--kv-events {item!r}: {exc}") from None
+    return tuple(found)
 
 
 def url_host_port(url: str) -> str:
@@ -183,6 +214,8 @@ class KeyLayout:
         except ValueError:
             raise InvalidRecord(f"unknown status {record.status!r}") from None
         models = tuple(dict.fromkeys(m for m in record.models if m))
+        kv_events = validate_kv_endpoint(record.kv_events) if record.kv_events else None
+        replay = validate_kv_endpoint(record.kv_events_replay, "kv_events_replay") if record.kv_events_replay else None
         return Node(
             node_id=node_id,
             role=role,
@@ -194,6 +227,8 @@ class KeyLayout:
             key=key_text,
             learn_models=not models,
             cards=_cards(obj.get("model_cards"), models),
+            kv_events=kv_events,
+            kv_events_replay=replay if kv_events else None,
         )
 
 

@@ -26,6 +26,7 @@ from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, 
 from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
+from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
 from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.prober import ModelProber
@@ -34,11 +35,20 @@ from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError,
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
+from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
 from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
-from vllm_etcd_proxy.proxy.routing.balancer import AFFINITY_POLICIES, DEFAULT_POLICIES, make_policy
+from vllm_etcd_proxy.proxy.routing.balancer import (
+    AFFINITY_POLICIES,
+    DEFAULT_POLICIES,
+    KV_AWARE,
+    CacheAware,
+    make_policy,
+)
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
+from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
 from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
@@ -56,15 +66,17 @@ CLIENT_PRUNE_INTERVAL = 30.0
 """Seconds between closing the idle connections of nodes that left."""
 
 
-def static_node(role: Role, address: str, models: tuple[str, ...]) -> Node:
-    """A node from a --prefill/--decode/--mixed flag: ``host:port`` or an http(s) URL."""
+def static_node(role: Role, address: str, models: tuple[str, ...], kv: tuple[str | None, str | None] = (None, None),
+                ) -> Node:  # fmt: skip
+    """A node from a --prefill/--decode/--mixed flag: ``host:port`` or an http(s) URL; ``kv``: its --kv-events."""
     if "://" in address:
         url = validate_url(address)
         node_id = url.split("://", 1)[1]
     else:
         host, port = split_host_port(address)
         url, node_id = f"http://{host}:{port}", address
-    return Node(node_id=node_id, role=role, url=url, models=models, source=Source.STATIC, learn_models=not models)
+    return Node(node_id=node_id, role=role, url=url, models=models, source=Source.STATIC, learn_models=not models,
+                kv_events=kv[0], kv_events_replay=kv[1])  # fmt: skip
 
 
 def error_response(exc: ProxyError) -> Response:
@@ -116,13 +128,16 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     registry.register(PoolCollector(pool, discovery_state))
     registry.register(NodeCollector(pool))
     layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
+    kv_flags = {node: (events, replay) for node, events, replay in settings.kv_events}
     for role, addresses in ((Role.PREFILL, settings.prefill), (Role.DECODE, settings.decode),
                             (Role.MIXED, settings.mixed)):  # fmt: skip
         for address in addresses:
             try:
-                pool.add(static_node(role, address, settings.models))
+                pool.add(static_node(role, address, settings.models, kv_flags.get(address, (None, None))))
             except InvalidRecord as exc:
                 raise ValueError(f"--{role.value} {address}: {exc}") from None
+    if unknown := set(kv_flags) - {*settings.prefill, *settings.decode, *settings.mixed}:
+        raise ValueError(f"--kv-events names no static node: {', '.join(sorted(unknown))}")
 
     # Probes and the admin API: a few requests per node and minute.
     client = stateless_client(timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False)
@@ -132,7 +147,18 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     if transport is None:
         transport = http
     chosen = dict(settings.policies)
-    policies = {role: make_policy(chosen.get(role.value, DEFAULT_POLICIES[role.value])) for role in Role}
+
+    # KV-cache events: a subscriber per publishing node feeds one index, which the kv-aware policy reads.
+    kv_index = KvIndex()
+    kv_subscribers = KvSubscribers(pool, kv_index)
+    kv_routing = KvRouting(kv_index, kv_subscribers.tracked, kv_subscribers.active)
+    registry.register(KvCollector(kv_subscribers, kv_routing))
+
+    def kv_policy(name: str) -> KvAware:
+        return KvAware(kv_routing, CacheAware())
+
+    policies = {role: kv_policy(name) if (name := chosen.get(role.value, DEFAULT_POLICIES[role.value])) == KV_AWARE
+                else make_policy(name) for role in Role}  # fmt: skip
     ejector = Ejector(pool, client, settings.ejection)
     forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
@@ -149,6 +175,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         http.prepare_tls()
+        kv_subscribers.start()
         prompt_tokens.start()
         if tracer is not None:
             tracer.start()
@@ -183,6 +210,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await kv_subscribers.stop()
             if etcd is not None:
                 await etcd.close()
             await client.aclose()
@@ -199,8 +227,10 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         MultiProcessCollector(scraped)  # type: ignore[no-untyped-call]
         scraped.register(PoolCollector(pool, discovery_state))
         scraped.register(NodeCollector(pool))
+        scraped.register(KvCollector(kv_subscribers, kv_routing))
     routes = [
-        *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle).routes(),
+        *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle,
+                    kv_view=KvView(kv_subscribers, kv_routing)).routes(),  # fmt: skip
         *AdminRoutes(
             pool=pool,
             client=client,
@@ -223,5 +253,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
                           operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
                           affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer, adapters=loader, tenancy=tenancy.tenancy)  # fmt: skip
+                          tracer=tracer, adapters=loader, tenancy=tenancy.tenancy, kv=kv_routing,
+                          prompt_ids=prompt_tokens.prompt_ids)  # fmt: skip
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

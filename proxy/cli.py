@@ -30,7 +30,7 @@ from vllm_etcd_proxy.fleet.etcd import (
     parse_endpoints,
 )
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
-from vllm_etcd_proxy.fleet.records import KeyLayout
+from vllm_etcd_proxy.fleet.records import KeyLayout, kv_event_flags
 from vllm_etcd_proxy.proxy.app import build_app
 from vllm_etcd_proxy.proxy.discovery.ejection import PROBE_RATE as EJECT_PROBE_RATE
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
@@ -38,14 +38,14 @@ from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
 from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
 from vllm_etcd_proxy.proxy.operations.info import Lifecycle
 from vllm_etcd_proxy.proxy.operations.workers import run_workers
-from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICIES
+from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICY_NAMES
 from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
 from vllm_etcd_proxy.proxy.tracing.spans import traces_endpoint
 
 ENV_PREFIX = "VLLM_PROXY_"
 WORKER_READY_WAIT = 15.0
 """Seconds a starting worker waits to be ready (etcd synced, a node routable) before it takes connections."""
-LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer"}
+LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer", "kv_events"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode", "mixed"):
         add(f"--{role}", nargs="+", action="extend", default=[], metavar="HOST:PORT",
             help=f"static {role} nodes (host:port or URL; repeatable)")  # fmt: skip
+    add("--kv-events", nargs="+", action="extend", default=[], metavar="NODE=ENDPOINT[,REPLAY]",
+        help="a static node's KV-cache event publisher, tcp://HOST:PORT, and optionally its replay socket "
+        "(NODE as given to --prefill/--decode/--mixed; repeatable)")  # fmt: skip
     add("--model", nargs="+", action="extend", default=[], help="model(s) the static nodes serve "
         "(default: ask each node's /v1/models)")  # fmt: skip
     add("--admin-key", help="admin API key (also ADMIN_API_KEY); without one the admin API answers 403")
@@ -82,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
     add("--max-header-bytes", type=int, default=64 * 1024, help="largest request headers (default 64 KiB)")
     add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
-    add("--policy", choices=sorted(POLICIES), help="balancing policy for every role (default: cache-aware for "
-        "prefill and mixed nodes, least-load for decode nodes)")  # fmt: skip
+    add("--policy", choices=POLICY_NAMES, help="balancing policy for every role (default: kv-aware for prefill "
+        "and mixed nodes, which is cache-aware for nodes that publish no KV events; least-load for decode "
+        "nodes)")  # fmt: skip
     for role in ("prefill", "decode", "mixed"):
-        add(f"--{role}-policy", choices=sorted(POLICIES), help=f"policy for {role} nodes (default: --policy, else "
+        add(f"--{role}-policy", choices=POLICY_NAMES, help=f"policy for {role} nodes (default: --policy, else "
             f"{DEFAULT_POLICIES[role]})")  # fmt: skip
     add("--affinity-header", default="x-session-id", help="session header for consistent-hash (default "
         "x-session-id; without it: the body's user, else the prompt's start)")  # fmt: skip
@@ -194,6 +198,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         models_refresh=args.models_refresh, models_probe_rate=args.models_probe_rate, scrape_rate=args.scrape_rate,
         max_connections=args.max_connections, log_level=args.log_level, workers=args.workers,
         otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
+        kv_events=kv_event_flags(args.kv_events),
     )  # fmt: skip
 
 

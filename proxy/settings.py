@@ -64,9 +64,10 @@ class ProxySettings:
     """Key sent to nodes started with vLLM's --api-key; None passes the client's Authorization through."""
     max_concurrent: int = 0
     """Proxied requests in flight on this replica before new ones get 503 + Retry-After; 0 = no limit."""
-    policies: tuple[tuple[str, str], ...] = (("prefill", "cache-aware"), ("decode", "least-load"),
-                                             ("mixed", "cache-aware"))  # fmt: skip
-    """(role, policy) for each role: affinity where a prefix cache saves work, load where it does not."""
+    policies: tuple[tuple[str, str], ...] = (("prefill", "kv-aware"), ("decode", "least-load"),
+                                             ("mixed", "kv-aware"))  # fmt: skip
+    """(role, policy) for each role: affinity where a prefix cache saves work (by the nodes' KV events where they
+    publish them, else by content), load where it does not."""
     affinity_header: str = "x-session-id"
     """Header naming a session for consistent-hash; else the body's ``user``, else the prompt's start."""
     pd_min_prompt_tokens: int = 0
@@ -104,6 +105,8 @@ class ProxySettings:
     """Connections open to one node at most; requests beyond wait for one (within the first-byte timeout)."""
     workers: int = 1
     """Processes serving the port (SO_REUSEPORT), each with its own watch and pools; one per core."""
+    kv_events: tuple[tuple[str, str, str | None], ...] = ()
+    """Static nodes' KV-event publishers: (node as given to --prefill/--decode/--mixed, endpoint, replay or None)."""
     otlp_traces_endpoint: str | None = None
     """Where OTLP/HTTP traces go (a span per request, a child per leg); None: no tracing at all."""
     log_level: str = "info"

@@ -21,6 +21,7 @@ from vllm_etcd_proxy.fleet.etcd import DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
 from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
+from vllm_etcd_proxy.registrar.kvconfig import from_child, published
 from vllm_etcd_proxy.registrar.runner import Runner
 from vllm_etcd_proxy.registrar.settings import MAX_TTL, MIN_TTL, RegistrarSettings
 
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd-user", metavar="USER", help="etcd user")
     add("--etcd-password", metavar="PW", help="etcd password (prefer the environment or a file)")
     add("--etcd-password-file", metavar="FILE", help="file whose first line is the etcd password")
+    add("--kv-events", metavar="ENDPOINT", help="tcp://HOST:PORT where the node publishes its KV-cache events "
+        "(vLLM's --kv-events-config endpoint); in wrapper mode read from the child's --kv-events-config")  # fmt: skip
+    add("--kv-events-replay", metavar="ENDPOINT", help="tcp://HOST:PORT of that publisher's replay socket")
     add("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     return p
 
@@ -163,6 +167,13 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     for flag, path in (("--etcd-cacert", etcd.cacert), ("--etcd-cert", etcd.cert), ("--etcd-key", etcd.key)):
         if path is not None and not os.access(path, os.R_OK):
             raise UsageError(f"{flag} {path}: not a readable file")
+    kv_events, kv_replay = from_child(command, url) if command else (None, None)
+    if args.kv_events:
+        kv_events, kv_replay = published(args.kv_events, url, "--kv-events"), None
+    if args.kv_events_replay:
+        if not kv_events:
+            raise UsageError("--kv-events-replay needs --kv-events (or the child's --kv-events-config)")
+        kv_replay = published(args.kv_events_replay, url, "--kv-events-replay")
     settings = RegistrarSettings(
         etcd=etcd,
         role=role,
@@ -178,6 +189,8 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         health_timeout=_number(args.health_timeout, "--health-timeout", 2.0, low=0.05, high=300),
         unhealthy_after=_integer(args.unhealthy_after, "--unhealthy-after", 3, low=1, high=1000),
         command=command,
+        kv_events=kv_events,
+        kv_events_replay=kv_replay,
     )
     return settings, _log_level(args.log_level)
 

@@ -138,6 +138,7 @@ class Runner:
         record = NodeRecord(
             url=s.url, role=s.role.value, models=models, status=Status.SERVING.value, labels=dict(s.labels),
             version=version, registered_at=_now_rfc3339(), source="registrar",
+            kv_events=s.kv_events or "", kv_events_replay=s.kv_events_replay or "",
         )  # fmt: skip
         set_cards(record, probe.cards)
         registration = Registration(client, key=s.key, ttl=s.ttl, record=record)

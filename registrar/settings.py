@@ -46,6 +46,10 @@ class RegistrarSettings:
     """Consecutive failed health checks before the node is withdrawn: one slow answer is not an outage."""
     command: tuple[str, ...] = ()
     """Wrapper mode: the command to run as a child (everything after ``--``); empty for a sidecar."""
+    kv_events: str | None = None
+    """``tcp://HOST:PORT`` of the node's KV-event publisher, written into the record (None: none)."""
+    kv_events_replay: str | None = None
+    """``tcp://HOST:PORT`` of its replay socket (None: none)."""
 
     @property
     def key(self) -> str:

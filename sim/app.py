@@ -8,9 +8,11 @@ Routes: GET /health, /ping, /load, /metrics, /version, /v1/models; POST /v1/comp
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -272,7 +274,20 @@ def create_app(settings: SimSettings) -> Starlette:
         *(admin.LORA_ROUTES if settings.runtime_lora_updating else ()),
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error})
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        publisher = engine.kv_events
+        replay = asyncio.create_task(publisher.serve_replay()) if publisher is not None else None
+        try:
+            yield
+        finally:
+            if replay is not None:
+                replay.cancel()
+                await asyncio.gather(replay, return_exceptions=True)
+            if publisher is not None:
+                publisher.close()
+
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error}, lifespan=lifespan)
     app.state.engine = engine
     app.state.responses = {}
     app.state.realtime = {}

@@ -15,6 +15,7 @@ import uvicorn
 from vllm_etcd_proxy.fleet.flags import environment_defaults
 from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
+from vllm_etcd_proxy.sim.kvevents import KvEventsConfig
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
 SHUTDOWN_TIMEOUT = 3
@@ -93,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--max-model-len", int, defaults.max_model_len, "context length in tokens")
     add("--block-size", int, defaults.block_size, "tokens per KV block (prefix cache, remote_block_ids)")
     add("--cache-blocks", int, defaults.cache_blocks, "KV blocks of the prefix cache (0: no prefix caching)")
+    add("--kv-events-config", str, defaults.kv_events_config, "vLLM's KVEventsConfig JSON: publish KV-cache events")
     add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
     add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
     add("--log-level", str, defaults.log_level, "debug, info, warning, error")
@@ -132,6 +134,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
                                   args.batch_slowdown) < 0:  # fmt: skip
         parser.error("need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, "
                      "--batch-slowdown >= 0")  # fmt: skip
+    try:
+        KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
+    except ValueError as exc:
+        parser.error(f"--kv-events-config: {exc}")
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -165,6 +171,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
+        kv_events_config=args.kv_events_config,
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
         scaling=args.scaling,

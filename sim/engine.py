@@ -21,6 +21,7 @@ from typing import Any
 from vllm_etcd_proxy.sim import tokens
 from vllm_etcd_proxy.sim.errors import ApiError
 from vllm_etcd_proxy.sim.knobs import Knobs
+from vllm_etcd_proxy.sim.kvevents import KvEventsConfig, Publisher
 from vllm_etcd_proxy.sim.latency import Latencies
 from vllm_etcd_proxy.sim.lora import Adapters
 from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
@@ -96,7 +97,10 @@ class Engine:
         self._rng = rng or random.Random()
         self._unhung = asyncio.Event()
         self._knobs_changed = asyncio.Event()
-        self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks)
+        config = KvEventsConfig.parse(settings.kv_events_config) if settings.kv_events_config else None
+        self.kv_events = Publisher(config, self.knobs, settings.block_size) if config is not None else None
+        self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks,
+                                 listener=self.kv_events)  # fmt: skip
         self._next_block = 1
         self.hung = 0
         self.encode: tokens.Encoder = HfVocab(settings.tokenizer).encode if settings.tokenizer else tokens.encode

@@ -26,6 +26,10 @@ class Knobs:
     hang_after_tokens: int
     set_cookie: str
     """A ``Set-Cookie`` value sent with every generation response; empty sends none (cookie-leak tests)."""
+    kv_events_drop: int
+    kv_events_corrupt: int
+    kv_events_encoding: str
+    kv_events_hash: str
     scaling: bool
     """While true, every request but /sim/* is answered 503 as by vLLM's elastic-EP scaling (``scaling.py``)."""
     lora_swap_time: float
@@ -58,6 +62,10 @@ class Knobs:
             raise ValueError("max_num_seqs must be >= 1")
         if validated.get("fail_rate", self.fail_rate) > 1:
             raise ValueError("fail_rate must be between 0 and 1")
+        if validated.get("kv_events_encoding", self.kv_events_encoding) not in ("map", "array"):
+            raise ValueError("kv_events_encoding must be map or array")
+        if validated.get("kv_events_hash", self.kv_events_hash) not in ("int", "bytes"):
+            raise ValueError("kv_events_hash must be int or bytes")
         if not 100 <= validated.get("fail_status", self.fail_status) <= 599:
             raise ValueError("fail_status must be an HTTP status")
         for name, value in validated.items():

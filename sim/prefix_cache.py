@@ -16,6 +16,8 @@ kv_cache_manager.py), reduced to block hashes and counts: no KV data, no I/O.
 - ``capacity`` 0 disables caching: no lookups, no stats (like --no-enable-prefix-caching).
 - A request's ``cache_salt`` goes into its first block's hash, as in vLLM: requests with different salts never
   share a cached block, whatever their tokens.
+- A ``listener`` hears of every block that enters the cache (with its parent and token ids), leaves it, or of
+  the whole cache cleared: what vLLM publishes as KV-cache events (kvevents.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import blake2b
+from typing import Protocol
 
 ROOT = b"vllm-sim-prefix-cache"
 """The first block's parent (vLLM's NONE_HASH, fixed here so that hashes are stable across nodes)."""
@@ -42,6 +45,17 @@ def block_hashes(ids: Sequence[int], block_size: int, parent: bytes = ROOT) -> l
         parent = blake2b(parent + array("I", ids[start : start + block_size]).tobytes(), digest_size=16).digest()
         hashes.append(parent)
     return hashes
+
+
+class CacheListener(Protocol):
+    def stored(self, parent: bytes | None, blocks: Sequence[bytes], token_ids: Sequence[int]) -> None:
+        """``blocks`` (consecutive, after ``parent``; None: the first block) entered the cache."""
+
+    def removed(self, blocks: Sequence[bytes]) -> None:
+        """``blocks`` were evicted."""
+
+    def cleared(self) -> None:
+        """Every block left the cache."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -73,6 +87,7 @@ class PrefixCache:
     _free: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
     """Cached blocks no running request holds, first evicted first."""
     _leases: set[Lease] = field(default_factory=set)
+    listener: CacheListener | None = None
 
     @property
     def enabled(self) -> bool:
@@ -91,6 +106,7 @@ class PrefixCache:
             hit += 1
         self.queries += len(prompt)
         self.hits += hit * self.block_size
+        self._announce(hashes, prompt, None)
         for block in hashes:
             self._pin(block)
         lease = Lease(prompt=prompt, hashes=hashes, hit_tokens=hit * self.block_size, tokens=len(prompt), root=root)
@@ -109,6 +125,7 @@ class PrefixCache:
         if computed // self.block_size > len(blocks):
             tail = [*lease.prompt[done:], *generated][: computed - done]
             blocks += block_hashes(tail, self.block_size, blocks[-1] if blocks else lease.root)
+            self._announce(blocks[len(lease.hashes) :], tail, lease.hashes[-1] if lease.hashes else None)
             for block in blocks[len(lease.hashes) :]:
                 self._pin(block)
         for block in reversed(blocks):
@@ -117,7 +134,27 @@ class PrefixCache:
 
     def clear(self) -> None:
         """Forget every cached block no running request holds (reset_prefix_cache, sleep)."""
+        if self.listener is not None and self._free:
+            if self._pinned:
+                self.listener.removed(list(self._free))
+            else:
+                self.listener.cleared()
         self._free.clear()
+
+    def _announce(self, blocks: Sequence[bytes], ids: Sequence[int], parent: bytes | None) -> None:
+        """Tell the listener of the runs of ``blocks`` not cached yet (``ids`` their tokens from the first on,
+        ``parent`` the block before the first; None: it is a request's first)."""
+        if self.listener is None:
+            return
+        size, run = self.block_size, -1
+        for i, block in enumerate([*blocks, None]):
+            new = block is not None and block not in self._pinned and block not in self._free
+            if new and run < 0:
+                run = i
+            elif not new and run >= 0:
+                before = blocks[run - 1] if run else parent
+                self.listener.stored(before, blocks[run:i], ids[run * size : i * size])
+                run = -1
 
     def _pin(self, block: bytes) -> None:
         self._free.pop(block, None)
@@ -138,9 +175,12 @@ class PrefixCache:
 
     def _evict(self) -> None:
         excess = len(self._pinned) + self._partial_blocks() + len(self._free) - self.capacity
+        evicted = []
         while excess > 0 and self._free:
-            self._free.popitem(last=False)
+            evicted.append(self._free.popitem(last=False)[0])
             excess -= 1
+        if evicted and self.listener is not None:
+            self.listener.removed(evicted)
 
     @property
     def used_blocks(self) -> int:

@@ -103,6 +103,17 @@ class SimSettings:
     """Tokens per KV block (vLLM's --block-size): the prefix cache's unit, and what sizes remote_block_ids."""
     cache_blocks: int = 4096
     """KV blocks of the simulated cache (64k tokens at block size 16); 0 disables prefix caching."""
+    kv_events_config: str = ""
+    """vLLM's ``--kv-events-config`` JSON; with ``enable_kv_cache_events`` the node publishes its cache's events
+    (kvevents.py). Empty: none."""
+    kv_events_drop: int = 0
+    """The next this many event batches are numbered and kept for replay, but not sent (a gap for subscribers)."""
+    kv_events_corrupt: int = 0
+    """The next this many event batches are sent with a payload that is not msgpack."""
+    kv_events_encoding: str = "map"
+    """Events as vLLM 0.32 sends them, maps tagged by ``type`` ("map"), or as older tagged arrays ("array")."""
+    kv_events_hash: str = "int"
+    """Block hashes published as unsigned 64-bit ints ("int", vLLM's default) or as bytes ("bytes")."""
     scaling: bool = False
     """Answer every request (but /sim/*) with 503 as vLLM's elastic-EP ScalingMiddleware does while it scales."""
     log_level: str = "info"

@@ -38,6 +38,7 @@ class Pool:
         self._model_nodes: dict[str, int] = {}
         """Routable nodes per model name."""
         self._listeners: list[Callable[[NodeState], None]] = []
+        self._drop_listeners: list[Callable[[NodeState], None]] = []
         self._demand_listeners: list[Callable[[str], None]] = []
         self._load_listeners: list[Callable[[NodeState], None]] = []
         self._asked_at: dict[str, float] = {}
@@ -52,6 +53,10 @@ class Pool:
     def on_load(self, listener: Callable[[NodeState], None]) -> None:
         """Call ``listener(state)`` after each load scrape of a node (the fair queue looks for room then)."""
         self._load_listeners.append(listener)
+
+    def on_drop(self, listener: Callable[[NodeState], None]) -> None:
+        """Call ``listener(state)`` for a node that left the pool."""
+        self._drop_listeners.append(listener)
 
     def on_demand(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(model)`` when a model is asked for after ``DEMAND_WINDOW`` seconds without a request."""
@@ -127,6 +132,8 @@ class Pool:
         state = self._entries.pop(key, None)
         if state is not None:
             self._unindex(state)
+            for listener in self._drop_listeners:
+                listener(state)
 
     def _upsert(self, node: Node) -> None:
         key = entry_key(node)

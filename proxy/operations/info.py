@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,10 @@ def not_ready_reason(lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool
 
 class InfoRoutes:
     def __init__(
-        self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry, lifecycle: Lifecycle
-    ) -> None:
+        self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry, lifecycle: Lifecycle,
+        kv_view: Callable[[NodeState], dict[str, Any] | None] | None = None,
+    ) -> None:  # fmt: skip
+        self._kv_view = kv_view
         self._lifecycle = lifecycle
         self._pool = pool
         self._discovery = discovery
@@ -127,7 +130,9 @@ class InfoRoutes:
         return JSONResponse({"models": self._pool.models()})
 
     async def list_workers(self, request: Request) -> Response:
-        workers = sorted((worker_view(s) for s in self._pool.all()), key=lambda w: (w["role"], w["id"]))
+        kv = self._kv_view
+        workers = sorted(({**worker_view(s), "kv_events": kv(s) if kv is not None else None} for s in self._pool.all()),
+                         key=lambda w: (w["role"], w["id"]))  # fmt: skip
         return JSONResponse({"workers": workers})
 
     async def metrics(self, request: Request) -> Response:

@@ -16,15 +16,15 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 
 
 class Policy(Protocol):
     name: str
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
-        """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty."""
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+        """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty (``prompt``: kv-aware's)."""
 
 
 def _untried(candidates: Sequence[NodeState], tried: Collection[NodeState]) -> Sequence[NodeState]:
@@ -51,9 +51,8 @@ class RoundRobin:
     def _among(self, pool: Sequence[NodeState]) -> Sequence[NodeState]:
         return pool
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if not pool:
             return None
@@ -84,9 +83,8 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if len(pool) <= 1:
             return pool[0] if pool else None
@@ -123,9 +121,8 @@ class ConsistentHash:
         self._owners = [u for _, u in pairs]
         self._ring_of = urls
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool, (), key)
@@ -226,9 +223,8 @@ class CacheAware:
             self._weights = None if all(w == 1.0 for w in weights) else weights
         return self._weights
 
-    def choose(
-        self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (), key: str | None = None
-    ) -> NodeState | None:
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool)
@@ -258,9 +254,12 @@ class CacheAware:
 
 POLICIES: dict[str, type[RoundRobin] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
-AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name])
+KV_AWARE = "kv-aware"
+"""By the nodes' KV-cache events (routing/kvchoice.py, built by the app with the index); else cache-aware."""
+POLICY_NAMES = sorted([*POLICIES, KV_AWARE])
+AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name, KV_AWARE])
 """Policies that route by an affinity key (the request's session, user or prompt prefix)."""
-DEFAULT_POLICIES = {"prefill": CacheAware.name, "decode": LeastLoad.name, "mixed": CacheAware.name}
+DEFAULT_POLICIES = {"prefill": KV_AWARE, "decode": LeastLoad.name, "mixed": KV_AWARE}
 """Per role when no policy flag is given (bench/routing.py): a prefix cache saves prefill and mixed nodes work;
 a decode node only pulls the KV cache, so its load is what matters."""
 

@@ -26,6 +26,8 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ClientLeft, ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, PromptIds, read_prompt, token_id_prompt
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
 from vllm_etcd_proxy.proxy.serving.forms import media_type, multipart_field, urlencoded_field
@@ -72,10 +74,11 @@ class OpenAIRoutes:
         tracer: Tracer | None = None,
         adapters: AdapterLoader | None = None,
         tenancy: Tenancy | None = None,
+        kv: KvRouting | None = None,
+        prompt_ids: PromptIds = token_id_prompt,
     ) -> None:
-        self._tracer = tracer
-        self._adapters = adapters
-        self._tenancy = tenancy
+        self._tracer, self._adapters, self._tenancy = tracer, adapters, tenancy
+        self._kv, self._prompt_ids = kv, prompt_ids
         self._websockets = websockets
         self._ids = ResponseIds(pool)
         self._affinity = affinity
@@ -156,9 +159,11 @@ class OpenAIRoutes:
                 hints = (route_hints(self._prefixes, body, client.session,
                                      count_uncached=self._pd_min_prompt_tokens > 0)
                          if self._read_prompts and body is not None else _NO_HINTS)  # fmt: skip
+                prompt = (read_prompt(self._prompt_ids, model, path, body)
+                          if self._kv is not None and body is not None and self._kv.active() else None)  # fmt: skip
                 request = _Request(path=path, target=target, model=model, head=head, method=method,
                                    affinity=hints.key if self._affinity else None,
-                                   uncached_tokens=hints.uncached_tokens, trace=trace)  # fmt: skip
+                                   uncached_tokens=hints.uncached_tokens, trace=trace, prompt=prompt)  # fmt: skip
                 if kind is Kind.GENERATE:
                     tally = Tally()
                 if kind is Kind.RESPONSES and body is not None:
@@ -252,6 +257,7 @@ class OpenAIRoutes:
             self._check_routable(request.model, _MIXED_ROLES)
         leg = Leg(roles=_MIXED_ROLES, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity, pinned=holder, trace=request.trace,
+                  prompt=request.prompt,
                   body_for=lambda state: ids.new_response_body(raw, body, state))  # fmt: skip
         return ("pinned" if holder is not None else "mixed"), self._open(leg)
 
@@ -270,6 +276,9 @@ class OpenAIRoutes:
         pool, model, head = self._pool, request.model, request.head
         if body is not None and pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model):
             uncached = request.uncached_tokens
+            kv, prompt = self._kv, request.prompt
+            if kv is not None and prompt is not None and self._pd_min_prompt_tokens:  # the index's exact count
+                uncached = kv.uncached(prompt, [s for r in Role for s in pool.candidates(r, model)], uncached)
             if uncached is not None and uncached < self._pd_min_prompt_tokens:
                 # So little of the prompt is new that a prefill leg costs more than it saves.
                 return "decode", self._one_leg(request, raw, (Role.DECODE, Role.MIXED), avoid)
@@ -277,7 +286,8 @@ class OpenAIRoutes:
 
             async def disaggregated() -> Upstream | ErrorAnswer:
                 return await disagg.run(path=request.target, model=model, raw=raw, body=body, head=head,
-                                        affinity=request.affinity, avoid=avoid, trace=request.trace)  # fmt: skip
+                                        affinity=request.affinity, avoid=avoid, trace=request.trace,
+                                        prompt=request.prompt)  # fmt: skip
 
             return "disagg", disaggregated
         if self._adapters is not None and (adapter := self._adapters.registered(model)) is not None:
@@ -301,7 +311,7 @@ class OpenAIRoutes:
         # Not disaggregated: the body goes to the node byte for byte.
         leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
                   timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method,
-                  trace=request.trace,
+                  trace=request.trace, prompt=request.prompt,
                   prefer=self._adapters.prefer(request.model) if self._adapters is not None else None)  # fmt: skip
         return self._open(leg, avoid)
 
@@ -318,3 +328,4 @@ class _Request(NamedTuple):
     affinity: str | None
     uncached_tokens: int | None
     trace: RequestTrace | None
+    prompt: KvPrompt | None = None  # the token ids for kv-aware (None: unknown, or no node publishes KV events)

@@ -21,6 +21,7 @@ import orjson
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 from vllm_etcd_proxy.proxy.serving.bodies import with_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
@@ -80,22 +81,25 @@ class Disaggregator:
         affinity: str | None,
         avoid: Collection[NodeState] = (),
         trace: RequestTrace | None = None,
+        prompt: KvPrompt | None = None,
     ) -> Upstream | ErrorAnswer:
-        kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity, trace=trace)
+        kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity, trace=trace,
+                                 prompt=prompt)  # fmt: skip
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
         leg = Leg(roles=(Role.DECODE,), model=model, path=path, head=head, timeout=self._timeouts.first_byte,
-                  body=decode_body(raw, body, kv), affinity=affinity, trace=trace)  # fmt: skip
+                  body=decode_body(raw, body, kv), affinity=affinity, trace=trace, prompt=prompt)  # fmt: skip
         return await self._forwarder.open(leg, avoid)
 
     async def _prefill(
         self, *, path: bytes, model: str, body: Mapping[str, Any], head: bytes, affinity: str | None,
-        trace: RequestTrace | None,
+        trace: RequestTrace | None, prompt: KvPrompt | None = None,
     ) -> Any:
         """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
         total = self._timeouts.prefill
         leg = Leg(roles=(Role.PREFILL,), model=model, path=path, head=head, timeout=total, trace=trace,
-                  deadline=time.monotonic() + total, body=prefill_body(body), affinity=affinity)  # fmt: skip
+                  deadline=time.monotonic() + total, body=prefill_body(body), affinity=affinity,
+                  prompt=prompt)  # fmt: skip
         try:
             answer = await self._forwarder.open(leg)
         except UpstreamTimeout:

@@ -21,6 +21,7 @@ from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
 from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.tracing.spans import LegSpan, RequestTrace
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
@@ -77,6 +78,8 @@ class Leg(NamedTuple):
     """The client request's span when tracing is on: each attempt is a child span, and the node's parent."""
     prefer: Callable[[list[NodeState]], list[NodeState]] | None = None
     """Narrows the candidates before the policy chooses (a LoRA adapter's nodes where it is active first)."""
+    prompt: KvPrompt | None = None
+    """The request's token ids, when known, for the kv-aware policy."""
 
 
 def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -179,7 +182,7 @@ class Forwarder:
                 role, state = leg.pinned.node.role, (leg.pinned if not tried else None)
             else:
                 role, candidates = self._candidates(leg)
-                state = self._policies[role].choose(candidates, tried, leg.affinity)
+                state = self._policies[role].choose(candidates, tried, leg.affinity, leg.prompt)
             if state is None:
                 break
             if attempt:

@@ -26,6 +26,13 @@ INVALID = [
     (b"/vllm/default/decode/\xff:1", b"", "not UTF-8"),
     (b"/vllm/default/decode/10.0.0.1:8000", b"{}" + b" " * 70_000, "bytes"),
     (b"/other/default/decode/10.0.0.1:8000", b"", "is not under"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"kv_events": "http://10.0.0.1:5557"}', "kv_events must be tcp"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"kv_events": "tcp://*:5557"}', "kv_events must be tcp"),
+    (
+        b"/vllm/default/decode/10.0.0.1:8000",
+        b'{"kvEvents": "tcp://h:5557", "kv_events_replay": "tcp://h"}',
+        "kv_events_replay must be tcp",
+    ),
 ]
 
 
@@ -78,8 +85,16 @@ def test_refusal_reasons_never_quote_credentials() -> None:
 
 
 RECORDS_BOTH_WAYS = [
-    {"url": "http://127.0.0.5:8100", "role": "decode", "models": ["a", "b"], "status": "draining",
-     "labels": {"zone": "a"}, "version": "1", "registered_at": "2025-01-01T00:00:00Z", "source": "registrar"},
+    {
+        "url": "http://127.0.0.5:8100",
+        "role": "decode",
+        "models": ["a", "b"],
+        "status": "draining",
+        "labels": {"zone": "a"},
+        "version": "1",
+        "registered_at": "2025-01-01T00:00:00Z",
+        "source": "registrar",
+    },
     {"url": "http://127.0.0.5:8100", "registeredAt": "t", "kvConnector": "nixl"},  # proto3 JSON's camelCase names
     {"url": "http://127.0.0.5:8100", "models": "a"},  # not a list: json_format's verdict
     {"url": "http://127.0.0.5:8100", "models": None, "future": {"x": 1}},  # null and an unknown field
@@ -99,3 +114,12 @@ def test_a_record_decodes_as_json_format_decodes_it(obj: dict[str, object]) -> N
             decode_record(value)
         return
     assert decode_record(value) == expected
+
+
+def test_kv_event_endpoints_are_read_in_both_spellings() -> None:
+    for value in (b'{"kv_events": "tcp://10.0.0.5:5557", "kv_events_replay": "tcp://10.0.0.5:5558"}',
+                  b'{"kvEvents": "tcp://10.0.0.5:5557", "kvEventsReplay": "tcp://10.0.0.5:5558"}'):  # fmt: skip
+        node = LAYOUT.parse(b"/vllm/default/mixed/10.0.0.5:8000", value)
+        assert (node.kv_events, node.kv_events_replay) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    bare = LAYOUT.parse(b"/vllm/default/mixed/10.0.0.5:8000", b'{"kv_events_replay": "tcp://[::1]:5558"}')
+    assert (bare.kv_events, bare.kv_events_replay) == (None, None)  # a replay socket alone says nothing

@@ -5,6 +5,7 @@ TTLs of 3 s keep the lease tests short; the registrar accepts >= 2 and warns bel
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -43,6 +44,20 @@ BAD_FLAGS = {
     "ttl not a number": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--ttl", "ten"],
     "unknown flag": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--colour", "red"],
     "-- without a command": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--"],
+    "kv events not tcp": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--kv-events", "ipc:///tmp/kv"],
+    "kv replay alone": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--kv-events-replay", "tcp://h:1"],
+    "child kv config not JSON": [
+        "--role",
+        "decode",
+        "--url",
+        "http://127.0.0.1:8100",
+        "--",
+        "vllm",
+        "serve",
+        "m",
+        "--kv-events-config",
+        "{enable",
+    ],
 }
 
 
@@ -116,6 +131,16 @@ def test_registers_once_the_node_is_healthy_with_models_from_the_node(
     }
     assert abs(datetime.fromisoformat(registered_at).timestamp() - time.time()) < 60
     assert 0 < lease_ttl(etcd, entry.lease) <= 10
+
+
+def test_kv_event_endpoints_go_into_the_record_with_a_wildcard_host_named(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims()
+    registrars(node.url, "--kv-events", "tcp://*:5557", "--kv-events-replay", f"tcp://{HOST}:5558")
+    entry = wait_for_key(etcd, decode_key(node.host_port))
+    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:5557",
+                                                                              f"tcp://{HOST}:5558")  # fmt: skip
 
 
 def test_key_expires_with_its_lease_after_the_registrar_is_killed(
@@ -283,6 +308,19 @@ def test_wrapper_mode_drains_before_stopping_the_child_and_exits_with_its_code(
     assert not http_ok(f"{url}/health")
     log = registrar.log()
     assert log.index("drained") < log.index("forwarding signal=SIGTERM") < log.index("child exited")
+
+
+def test_wrapper_mode_reads_the_kv_event_endpoints_from_the_childs_kv_events_config(
+    etcd: EtcdServer, registrars: StartRegistrar
+) -> None:
+    port, events, replay = free_port(), free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
+                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})  # fmt: skip
+    child = python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port), "--kv-events-config", config)
+    registrars(f"http://{HOST}:{port}", command=tuple(child))
+    entry = wait_for_key(etcd, decode_key(f"{HOST}:{port}"), timeout=20)
+    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:{events}",
+                                                                              f"tcp://{HOST}:{replay}")  # fmt: skip
 
 
 def test_child_exiting_on_its_own_is_deregistered_at_once_and_its_code_passed_on(

@@ -1,0 +1,61 @@
+"""What the KV-event index shows: each node's subscriber on /list_workers, and counters on /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+
+REASONS = ("cached_prefix", "load", "fallback")
+
+
+class KvView:
+    """One node's subscriber state and index figures, for /list_workers (None: it publishes no events)."""
+
+    def __init__(self, subscribers: KvSubscribers, routing: KvRouting) -> None:
+        self._subscribers, self._routing = subscribers, routing
+
+    def __call__(self, state: NodeState) -> dict[str, Any] | None:
+        view = self._subscribers.view(state.entry_key)
+        if view is None:
+            return None
+        blocks = self._routing.index.node(state.entry_key)
+        view["blocks_indexed"] = len(blocks.blocks) if blocks is not None else 0
+        view["block_size"] = blocks.block_size if blocks is not None else None
+        view["orphan_blocks"] = blocks.orphans if blocks is not None else 0
+        return view
+
+
+class KvCollector(Collector):
+    """Counters of the events this replica took in and of its kv-aware routing decisions, read at scrape time."""
+
+    def __init__(self, subscribers: KvSubscribers, routing: KvRouting) -> None:
+        self._subscribers, self._routing = subscribers, routing
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._subscribers.stats
+        for name, value, text in (
+            ("kv_event_batches", stats.batches, "KV-event batches applied to the index."),
+            ("kv_events", stats.events, "KV-cache events (stores, removals, clears) applied to the index."),
+            ("kv_event_gaps", stats.gaps, "Jumps in a node's event sequence numbers."),
+            ("kv_event_replays", stats.replays, "Replays asked of nodes' replay sockets."),
+            ("kv_event_malformed", stats.malformed, "Malformed KV-event frames or events, skipped."),
+            ("kv_event_restarts", stats.restarts, "Nodes seen restarting (sequence numbers going back)."),
+        ):
+            yield CounterMetricFamily(f"vllm_proxy_{name}", text, value=value)
+        decisions = CounterMetricFamily("vllm_proxy_kv_routing_decisions", "kv-aware routing decisions by reason: "
+                                        "cached_prefix, load (no node holds the prefix), fallback (content "
+                                        "affinity: no events for the request or its nodes).",
+                                        labels=["reason"])  # fmt: skip
+        counted = self._routing.decisions
+        for reason in REASONS:
+            decisions.add_metric([reason], counted.get(reason, 0))
+        yield decisions
+        yield GaugeMetricFamily("vllm_proxy_kv_index_blocks", "Distinct block keys in the KV-event index.",
+                                value=len(self._routing.index))  # fmt: skip

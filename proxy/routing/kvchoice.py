@@ -1,0 +1,182 @@
+"""The kv-aware policy: the node holding the longest cached prefix of the request, weighed against load.
+
+- Nodes whose KV events this replica follows (tracked: connected, not silent; discovery/kvsub.py) are judged by
+  the index. When a node that is not overloaded (load, ``node_load``: the node's own running and waiting, or
+  this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
+  holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
+  turn of a conversation stays where its cache is.
+- Otherwise (a new conversation, which at most shares a preamble with others) the least loaded node wins, ties
+  broken by a hash of the request's affinity key and the node, so every replica that sees the same loads picks
+  the same node and conversations spread evenly (reason ``load``) -- unless, when no node holds any of it,
+  today's content affinity would place it on a node whose events are not followed, which keeps its share
+  (reason ``fallback``).
+- No tracked node, or a prompt whose token ids are unknown: content affinity (``CacheAware``; ``fallback``).
+- Where a request went is remembered as if the node had announced its blocks, so the next turn of a quick
+  conversation follows it before the node's events arrive: until the node's next batch of events (which
+  says what it really holds) or ``REMEMBER`` seconds, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Collection, Sequence
+
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _mix, _stable_hash, _untried, node_load
+from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
+
+REMEMBER = 5.0
+"""Seconds a routing decision counts as the node holding the prompt's blocks (its events confirm it sooner)."""
+MAX_REMEMBERED = 200_000
+"""Block keys remembered at most (a few seconds of traffic)."""
+CACHED_SHARE = 0.5
+"""The share of the prompt a node must hold for its prefix to draw the request: less (a shared preamble, the
+start of a new conversation) and the request goes by load, so that conversations spread evenly."""
+EPSILON, SLACK = 0.5, 2
+"""A node is overloaded when its load exceeds ``1 + EPSILON`` times the mean plus ``SLACK`` requests (as for
+cache-aware): then its prefix does not draw the request."""
+KV_FULL = 0.95
+
+
+def _adapter(model: str, pool: Sequence[NodeState]) -> str:
+    """The LoRA adapter's name when ``model`` is one (its card names a parent), else "" (the base model)."""
+    for state in pool:
+        card = state.cards.get(model)
+        if card is not None:
+            return model if card.get("parent") else ""
+    return ""
+
+
+class KvRouting:
+    """What the policy and the request path share: the index, which nodes are tracked, recent decisions."""
+
+    def __init__(self, index: KvIndex, tracked: Callable[[str], bool], active: Callable[[], bool] = lambda: True,
+                 remember: float = REMEMBER) -> None:  # fmt: skip
+        self.index = index
+        self.tracked = tracked
+        self.active = active
+        """Whether any node publishes events at all (else prompts need not be read)."""
+        self.decisions: Counter[str] = Counter()
+        self._remember = remember
+        self._recent: dict[int, int] = {}
+        self._expiry: deque[tuple[float, int, int]] = deque()
+        self._valid: dict[int, tuple[int | None, float]] = {}
+        """slot -> (its index version, until when) at the last decision for it."""
+
+    def _valid_slots(self, now: float) -> int:
+        """The slots whose remembered decisions still count: no event from the node since, not expired."""
+        mask, index = 0, self.index
+        for slot, (version, until) in list(self._valid.items()):
+            if until <= now or index.version(slot) != version:
+                del self._valid[slot]
+            else:
+                mask |= 1 << slot
+        return mask
+
+    def recent(self) -> dict[int, int]:
+        """Block key -> slots this replica sent it to within ``REMEMBER`` seconds."""
+        now = time.monotonic()
+        expiry, recent = self._expiry, self._recent
+        while expiry and (expiry[0][0] <= now or len(expiry) > MAX_REMEMBERED):
+            _, key, bit = expiry.popleft()
+            left = recent.get(key, 0) & ~bit
+            if left:
+                recent[key] = left
+            else:
+                recent.pop(key, None)
+        return recent
+
+    def sent(self, state: NodeState, keys: Sequence[int]) -> None:
+        slot = self.index.slot_of(state.entry_key)
+        bit = 1 << slot
+        until = time.monotonic() + self._remember
+        self._valid[slot] = (self.index.version(slot), until)
+        for key in keys:
+            self._recent[key] = self._recent.get(key, 0) | bit
+            self._expiry.append((until, key, bit))
+
+    def cached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> list[tuple[NodeState, int, list[int]]] | None:
+        """(node, cached prompt tokens, the prompt's keys at its block size) for each tracked node; None when no
+        node is tracked."""
+        index, lora = self.index, _adapter(prompt.model, pool)
+        found: list[tuple[NodeState, int, list[int]]] = []
+        groups: dict[int, list[tuple[NodeState, int]]] = {}
+        for state in pool:
+            if self.tracked(state.entry_key):
+                blocks = index.node(state.entry_key)
+                groups.setdefault(blocks.block_size if blocks is not None else 0, []).append(
+                    (state, index.slot_of(state.entry_key)))  # fmt: skip
+        if not groups:
+            return None
+        sizes = [size for size in groups if size]
+        recent = self.recent()
+        valid = self._valid_slots(time.monotonic()) if recent else 0
+        for size, members in groups.items():
+            block = size or (sizes[0] if sizes else 0)
+            keys = prompt.keys(block, lora) if block else []
+            mask = 0
+            for _, slot in members:
+                mask |= 1 << slot
+            depths = index.depths(keys, mask, recent, valid) if keys else {}
+            found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
+        return found
+
+    def uncached(self, prompt: KvPrompt, pool: Sequence[NodeState], default: int | None = None) -> int | None:
+        """The prompt's tokens that the tracked node holding most of it lacks (``default``: no node tracked)."""
+        cached = self.cached(prompt, pool)
+        if not cached:
+            return default
+        return len(prompt.ids) - max(tokens for _, tokens, _ in cached)
+
+
+class KvAware:
+    """The kv-aware policy (module docstring); ``decisions`` counts its reasons."""
+
+    name = "kv-aware"
+
+    def __init__(self, routing: KvRouting, fallback: CacheAware | None = None, epsilon: float = EPSILON,
+                 slack: int = SLACK, share: float = CACHED_SHARE) -> None:  # fmt: skip
+        self._routing = routing
+        self._fallback = fallback or CacheAware()
+        self._epsilon, self._slack, self._share = epsilon, slack, share
+
+    def _decided(self, reason: str, state: NodeState | None) -> NodeState | None:
+        self._routing.decisions[reason] += 1
+        return state
+
+    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
+               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+        pool = _untried(candidates, tried)
+        if prompt is None or len(pool) <= 1:
+            return self._decided("fallback", self._fallback.choose(pool, (), key))
+        routing = self._routing
+        cached = routing.cached(prompt, pool)
+        if not cached:
+            return self._decided("fallback", self._fallback.choose(pool, (), key))
+        loads = [node_load(state) for state, _, _ in cached]
+        roomy = [(c, n) for c, n in zip(cached, loads, strict=True) if c[0].kv_usage < KV_FULL]
+        roomy = roomy or list(zip(cached, loads, strict=True))
+        fair = (1 + self._epsilon) * sum(loads) / len(loads) + self._slack
+        fit = [(c, n) for c, n in roomy if n <= fair]
+        best = max((c[1] for c, _ in fit), default=0)
+        seed = _stable_hash(key or f"prompt:{prompt.ids[:64]}")
+
+        def rank(found: tuple[tuple[NodeState, int, list[int]], int]) -> tuple[int, int, int]:
+            (node, tokens, _), load = found
+            return -tokens, load, _mix(seed ^ _stable_hash(node.node.node_id))
+
+        if best and best >= self._share * (len(prompt.ids) - 1):
+            # Most of the prompt is cached on a node that is not overloaded: the longest prefix wins; among equals
+            # the least loaded, then the node ranked first for the request's key, alike on every replica.
+            reason, ((state, _, keys), _) = "cached_prefix", min(fit, key=rank)
+        else:
+            if best == 0 and len(cached) < len(pool):
+                affine = self._fallback.choose(pool, (), key)
+                if affine is not None and not routing.tracked(affine.entry_key):
+                    return self._decided("fallback", affine)
+            # A new conversation, or one whose node forgot it (or is overloaded): by load, so they spread evenly.
+            reason, ((state, _, keys), _) = "load", min(roomy, key=lambda f: (f[1], rank(f)[2]))
+        routing.sent(state, keys)
+        return self._decided(reason, state)

@@ -1,0 +1,209 @@
+"""Which node holds which KV-cache block, from the nodes' own events: one index per replica, keyed on token ids.
+
+vLLM names a block by a hash seeded per process, so two nodes holding the same tokens name them differently.
+The index names a block by its own chain of the token ids instead: the key of block ``i`` hashes the key of
+block ``i - 1`` (or, for the first, the LoRA adapter's name and the block size) with the block's ``block_size``
+token ids, so one key means one whole prefix. A request's prompt is read the same way (``chain``), and its
+longest cached prefix on a node is the run of its keys that the node holds.
+
+For each key the index keeps the nodes holding it: a node's slot number while one node does (the common case,
+which costs no object of its own) or a bit mask of slots. For each node it keeps its own hashes -> our keys, as
+a ``BlockRemoved`` names blocks by the node's hashes only. A block whose parent the node never announced (an
+event missed before this replica subscribed) cannot be keyed and is counted as an orphan. Each node holds at
+most ``MAX_BLOCKS`` blocks here (a real node's cache is smaller); memory per block: bench/README.md.
+
+Every change costs in proportion to the blocks it names; only dropping a node walks that node's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Event, Removed, Stored
+
+MAX_BLOCKS = 1_000_000
+"""Blocks indexed per node at most: 16M tokens at block size 16; stores beyond are counted and left out."""
+_MASK = (1 << 60) - 1
+"""Keys fit 60 bits: Python keeps such an int in 32 bytes (64-bit ones take 36)."""
+
+
+def chain(ids: Sequence[int], block_size: int, lora: str = "", blocks: int | None = None) -> list[int]:
+    """The keys of the full blocks of ``ids`` (at most ``blocks`` of them), as the index names them."""
+    key = hash((lora, block_size)) & _MASK
+    count = len(ids) // block_size if blocks is None else min(blocks, len(ids) // block_size)
+    keys = []
+    for start in range(0, count * block_size, block_size):
+        key = hash((key, *ids[start : start + block_size])) & _MASK
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class NodeBlocks:
+    """One node's blocks: its hashes -> our keys, and what its events looked like."""
+
+    slot: int
+    blocks: dict[int, int] = field(default_factory=dict)
+    block_size: int = 0
+    """Of its last store (0: none yet)."""
+    orphans: int = 0
+    """Stored blocks left out: their parent was never announced."""
+    over: int = 0
+    """Stored blocks left out: the node had ``MAX_BLOCKS`` already."""
+    version: int = 0
+    """Batches of events applied: what a routing decision's memory is checked against (kvchoice.py)."""
+
+
+class KvIndex:
+    """Nodes (by pool entry key) -> blocks, and block keys -> nodes; see the module docstring."""
+
+    def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
+        self._max = max_blocks
+        self._holders: dict[int, int] = {}
+        """key -> slot (>= 0) of its one holder, or -(bit mask of the slots) when several hold it."""
+        self._nodes: dict[str, NodeBlocks] = {}
+        self._slots: dict[int, NodeBlocks] = {}
+        self._free: list[int] = []
+        self._next_slot = 0
+
+    def __len__(self) -> int:
+        """Distinct keys indexed."""
+        return len(self._holders)
+
+    def node(self, name: str) -> NodeBlocks | None:
+        return self._nodes.get(name)
+
+    def slot(self, name: str) -> int | None:
+        found = self._nodes.get(name)
+        return None if found is None else found.slot
+
+    def slot_of(self, name: str) -> int:
+        """The node's slot, given now if it has none yet (a node tracked before its first event)."""
+        return self._node(name).slot
+
+    def names(self) -> Iterable[str]:
+        return self._nodes.keys()
+
+    def _node(self, name: str) -> NodeBlocks:
+        found = self._nodes.get(name)
+        if found is None:
+            slot = self._free.pop() if self._free else self._next_slot
+            self._next_slot = max(self._next_slot, slot + 1)
+            found = self._nodes[name] = self._slots[slot] = NodeBlocks(slot=slot)
+        return found
+
+    def version(self, slot: int) -> int | None:
+        """The ``version`` of the node in ``slot`` (None: no node has it)."""
+        found = self._slots.get(slot)
+        return None if found is None else found.version
+
+    # -- changes ------------------------------------------------------------------------------------------------
+
+    def apply(self, name: str, events: Iterable[Event]) -> None:
+        """One node's events, in order."""
+        node = self._node(name)
+        node.version += 1
+        for event in events:
+            if isinstance(event, Stored):
+                self._stored(node, event)
+            elif isinstance(event, Removed):
+                for engine_hash in event.hashes:
+                    key = node.blocks.pop(engine_hash, None)
+                    if key is not None:
+                        self._release(key, node.slot)
+            elif isinstance(event, Cleared):
+                self._clear(node)
+
+    def _stored(self, node: NodeBlocks, event: Stored) -> None:
+        size, ids, blocks = event.block_size, event.token_ids, node.blocks
+        node.block_size = size
+        if event.parent is None:
+            key = hash((event.lora, size)) & _MASK
+        else:
+            parent = blocks.get(event.parent)
+            if parent is None:
+                node.orphans += len(event.hashes)
+                return
+            key = parent
+        holders, slot, bit = self._holders, node.slot, 1 << node.slot
+        for i, engine_hash in enumerate(event.hashes):
+            key = hash((key, *ids[i * size : (i + 1) * size])) & _MASK
+            if engine_hash in blocks:
+                continue  # stored again (a replayed batch): already counted
+            if len(blocks) >= self._max:
+                node.over += len(event.hashes) - i
+                return
+            blocks[engine_hash] = key
+            held = holders.get(key)
+            if held is None:
+                holders[key] = slot
+            elif held >= 0:
+                if held != slot:
+                    holders[key] = -((1 << held) | bit)
+            else:
+                holders[key] = -(-held | bit)
+
+    def _release(self, key: int, slot: int) -> None:
+        held = self._holders.get(key)
+        if held is None:
+            return
+        if held >= 0:
+            if held == slot:
+                del self._holders[key]
+            return
+        mask = -held & ~(1 << slot)
+        self._holders[key] = mask.bit_length() - 1 if mask & (mask - 1) == 0 else -mask
+
+    def _clear(self, node: NodeBlocks) -> None:
+        for key in node.blocks.values():
+            self._release(key, node.slot)
+        node.blocks.clear()
+
+    def drop(self, name: str) -> None:
+        """Forget a node (gone, restarted, or its events can no longer be trusted); its slot is reused."""
+        node = self._nodes.pop(name, None)
+        if node is not None:
+            self._clear(node)
+            del self._slots[node.slot]
+            self._free.append(node.slot)
+
+    # -- queries ------------------------------------------------------------------------------------------------
+
+    def holders(self, key: int) -> int:
+        """Bit mask of the slots holding ``key`` (0: none)."""
+        held = self._holders.get(key)
+        if held is None:
+            return 0
+        return 1 << held if held >= 0 else -held
+
+    def depths(self, keys: Sequence[int], slots: int, extra: dict[int, int] | None = None,
+               extra_slots: int = -1) -> dict[int, int]:  # fmt: skip
+        """For each slot in the bit mask ``slots`` that holds ``keys[0]``: how many of ``keys`` it holds in a row
+        from the first. ``extra``: key -> more slots to count as holding it (blocks sent but not announced), of
+        which only those in the mask ``extra_slots`` count."""
+        depth: dict[int, int] = {}
+        alive = slots
+        get = self._holders.get
+        for i, key in enumerate(keys):
+            held = get(key)
+            mask = 0 if held is None else 1 << held if held >= 0 else -held
+            if extra:
+                mask |= extra.get(key, 0) & extra_slots
+            now = alive & mask
+            if now != alive:
+                _record(depth, alive & ~now, i)
+                alive = now
+                if not alive:
+                    return depth
+        _record(depth, alive, len(keys))
+        return depth
+
+
+def _record(depth: dict[int, int], mask: int, value: int) -> None:
+    if not value:
+        return
+    while mask:
+        low = mask & -mask
+        depth[low.bit_length() - 1] = value
+        mask ^= low

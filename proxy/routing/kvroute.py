@@ -1,0 +1,76 @@
+"""A request's prompt as token ids, and the index's block keys for it (computed once per request).
+
+How a request becomes token ids is injected (``PromptIds``): this module reads only prompts that are token ids
+already (``/v1/completions`` with ``prompt`` a list of ints, ``/inference/v1/generate`` with ``token_ids``);
+text and chat need the model's tokenizer and chat template, which a ``PromptIds`` of its own provides. None
+means "unknown": the request is routed by content affinity as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from vllm_etcd_proxy.proxy.routing.kvindex import chain
+
+Kind = Literal["completion", "chat", "generate"]
+PromptIds = Callable[[str, Mapping[str, Any], str], Sequence[int] | None]
+"""(model, parsed JSON body, kind: "completion" | "chat" | "generate") -> the prompt's token ids, or None."""
+
+MAX_PROMPT_IDS = 1 << 20
+"""Ids read at most from one prompt: no model takes more, and a bigger list is no prompt."""
+
+
+def _ids(value: object) -> Sequence[int] | None:
+    if not isinstance(value, list) or not value or len(value) > MAX_PROMPT_IDS:
+        return None
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool):
+            return None
+    return value
+
+
+def token_id_prompt(model: str, body: Mapping[str, Any], kind: str) -> Sequence[int] | None:
+    """The default ``PromptIds``: prompts given as token ids; None for text and chat."""
+    if kind == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+            prompt = prompt[0]  # a batch of one
+        return _ids(prompt)
+    if kind == "generate":
+        return _ids(body.get("token_ids"))
+    return None
+
+
+KIND_OF_PATH: Mapping[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat",
+                                    "/inference/v1/generate": "generate"}  # fmt: skip
+"""The paths whose prompts the index can read, and how to read them."""
+
+
+class KvPrompt:
+    """One request's token ids, with their block keys per (block size, adapter), computed when first asked."""
+
+    __slots__ = ("ids", "model", "_keys")
+
+    def __init__(self, ids: Sequence[int], model: str) -> None:
+        self.ids = ids
+        self.model = model
+        self._keys: dict[tuple[int, str], list[int]] = {}
+
+    def keys(self, block_size: int, lora: str = "") -> list[int]:
+        """The keys of the prompt's full blocks that a node may have cached: all but a last block that ends at
+        the prompt's end (vLLM always computes the last prompt token, so that block is never a hit)."""
+        found = self._keys.get((block_size, lora))
+        if found is None:
+            found = self._keys[(block_size, lora)] = chain(self.ids, block_size, lora,
+                                                           (len(self.ids) - 1) // block_size)  # fmt: skip
+        return found
+
+
+def read_prompt(prompt_ids: PromptIds, model: str, path: str, body: Mapping[str, Any]) -> KvPrompt | None:
+    """The request's prompt for the index, or None (not a path it reads, or its ids unknown)."""
+    kind = KIND_OF_PATH.get(path)
+    if kind is None:
+        return None
+    ids = prompt_ids(model, body, kind)
+    return KvPrompt(ids, model) if ids else None

@@ -1,0 +1,154 @@
+"""The KV-event index and the kv-aware policy as pure objects: frames in vLLM's encodings, blocks keyed on token
+ids whatever the nodes' hashes, removals by the nodes' hashes, and the choice between cached prefix and load."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from vllm_etcd_proxy.fleet.records import Node, Role
+from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Malformed, Removed, Stored, read_batch, read_seq
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
+from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
+from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, token_id_prompt
+
+BS = 4
+IDS = list(range(1, 13))  # three blocks
+MAP_BATCH = [1.5, [{"type": "BlockStored", "block_hashes": [11, 12, 13], "parent_block_hash": None,
+                    "token_ids": IDS, "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
+                    "extra_keys": [None, None, None], "group_idx": 0, "kv_cache_spec_kind": "full_attention",
+                    "a_future_field": {"x": 1}},
+                   {"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"},
+                   {"type": "SomethingNew", "x": 1}], 0]  # fmt: skip
+ARRAY_BATCH = {"ts": 1.5, "events": [["BlockStored", [b"\x01" * 32, b"\x02" * 32], None, IDS[:8], BS, None, "GPU"],
+                                     ["AllBlocksCleared"]]}  # fmt: skip
+
+
+def state(name: str) -> NodeState:
+    return NodeState(node=Node(node_id=name, role=Role.MIXED, url=f"http://{name}", models=("m",)))
+
+
+def stored(hashes: list[int], ids: list[int], parent: int | None = None) -> Stored:
+    return Stored(hashes, parent, ids, BS, "")
+
+
+def test_batches_are_read_in_both_encodings_with_int_or_bytes_hashes() -> None:
+    batch = read_batch(7, msgspec.msgpack.encode(MAP_BATCH))
+    assert batch.events == [Stored([11, 12, 13], None, IDS, BS, ""), Removed([13])] and batch.bad_events == 0
+    older = read_batch(8, msgspec.msgpack.encode(ARRAY_BATCH))
+    assert isinstance(older.events[1], Cleared)
+    first = older.events[0]
+    fold = 2**60 - 1  # hashes name blocks within a node in 60 bits
+    assert isinstance(first, Stored) and first.hashes == [0x0101010101010101 & fold, 0x0202020202020202 & fold]
+    assert read_seq((-1).to_bytes(8, "big", signed=True)) == -1
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode("x"),
+                                     msgspec.msgpack.encode({"ts": "now", "events": []})])  # fmt: skip
+def test_a_payload_that_is_no_batch_is_malformed(payload: bytes) -> None:
+    with pytest.raises(Malformed):
+        read_batch(0, payload)
+
+
+def test_a_malformed_event_is_left_out_and_counted_the_rest_kept() -> None:
+    events = [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
+               "block_size": BS}, {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}]  # fmt: skip
+    batch = read_batch(0, msgspec.msgpack.encode([0.0, events, 0]))
+    assert batch.events == [Removed([5])] and batch.bad_events == 1
+
+
+def test_blocks_of_the_same_tokens_share_keys_whatever_each_nodes_hashes() -> None:
+    index = KvIndex()
+    index.apply("a", [stored([101, 102, 103], IDS)])
+    index.apply("b", [stored([901, 902], IDS[:8])])
+    keys = KvPrompt([*IDS, 99], "m").keys(BS)
+    both = (1 << index.slot_of("a")) | (1 << index.slot_of("b"))
+    assert index.depths(keys, both) == {index.slot_of("a"): 3, index.slot_of("b"): 2}
+    index.apply("a", [Removed([102])])  # by a's own hash: its second block is gone, so only its first is a prefix
+    assert index.depths(keys, both) == {index.slot_of("a"): 1, index.slot_of("b"): 2}
+    index.apply("b", [Cleared()])
+    assert index.depths(keys, both) == {index.slot_of("a"): 1}
+    index.drop("a")
+    assert index.depths(keys, both) == {} and len(index) == 0
+
+
+def test_a_block_whose_parent_was_never_announced_is_an_orphan_and_children_chain_from_known_parents() -> None:
+    index = KvIndex()
+    index.apply("a", [stored([2], IDS[4:8], parent=1)])
+    node = index.node("a")
+    assert node is not None and node.orphans == 1 and not node.blocks
+    index.apply("a", [stored([1], IDS[:4]), stored([2, 3], IDS[4:], parent=1)])
+    assert index.depths(KvPrompt([*IDS, 0], "m").keys(BS), 1 << index.slot_of("a")) == {index.slot_of("a"): 3}
+
+
+def test_adapters_and_block_sizes_have_keys_of_their_own() -> None:
+    index = KvIndex()
+    index.apply("a", [Stored([1, 2, 3], None, IDS, BS, "my-lora")])
+    prompt = KvPrompt([*IDS, 0], "m")
+    assert index.depths(prompt.keys(BS), 1) == {}
+    assert index.depths(prompt.keys(BS, "my-lora"), 1) == {0: 3}
+    assert index.depths(prompt.keys(2), 1) == {}
+
+
+def test_token_id_prompts_are_read_and_text_is_left_to_a_tokenizer() -> None:
+    assert token_id_prompt("m", {"prompt": [1, 2, 3]}, "completion") == [1, 2, 3]
+    assert token_id_prompt("m", {"prompt": [[1, 2]]}, "completion") == [1, 2]
+    assert token_id_prompt("m", {"token_ids": [4, 5]}, "generate") == [4, 5]
+    for body, kind in (({"prompt": "text"}, "completion"), ({"prompt": [1, True]}, "completion"),
+                       ({"messages": []}, "chat"), ({"prompt": [[1], [2]]}, "completion")):  # fmt: skip
+        assert token_id_prompt("m", body, kind) is None
+
+
+def policy(index: KvIndex, tracked: set[str] | None = None) -> tuple[KvAware, KvRouting]:
+    routing = KvRouting(index, lambda name: tracked is None or name in tracked)
+    return KvAware(routing), routing
+
+
+def test_the_longest_cached_prefix_wins_until_its_node_is_overloaded() -> None:
+    index = KvIndex()
+    nodes = [state(n) for n in ("a", "b", "c")]
+    index.apply(nodes[1].entry_key, [stored([1, 2, 3], IDS)])
+    index.apply(nodes[2].entry_key, [stored([7], IDS[:4])])
+    choose, routing = policy(index)
+    prompt = KvPrompt([*IDS, 5], "m")
+    assert choose.choose(nodes, key="k", prompt=prompt) is nodes[1]
+    nodes[1].in_flight = 4  # not above 1.5 x the mean (4/3) + 2: still b
+    assert choose.choose(nodes, key="k", prompt=KvPrompt([*IDS, 6], "m")) is nodes[1]
+    nodes[1].in_flight = 5  # overloaded; c holds a third of the prompt, too little to draw it: by load
+    assert choose.choose(nodes, key="k", prompt=KvPrompt([*IDS, 7], "m")) in (nodes[0], nodes[2])
+    assert routing.decisions == {"cached_prefix": 2, "load": 1}
+
+
+def test_new_prompts_spread_by_load_alike_on_every_replica() -> None:
+    nodes = [state(n) for n in ("a", "b", "c", "d")]
+    first, _ = policy(KvIndex())
+    second, _ = policy(KvIndex())
+    picks = []
+    for i in range(200):
+        prompt = KvPrompt([1000 + i] * 9, "m")
+        one = first.choose(nodes, key=f"prefix:{i}", prompt=prompt)
+        assert one is not None and second.choose(nodes, key=f"prefix:{i}", prompt=prompt) is one
+        picks.append(one.node.node_id)
+    assert 35 <= min(picks.count(n) for n in "abcd")  # about 50 each, by the hash of the key
+    nodes[0].in_flight = 1
+    assert all(first.choose(nodes, key=f"prefix:{i}", prompt=KvPrompt([i] * 9, "m")) is not nodes[0]
+               for i in range(20))  # fmt: skip
+
+
+def test_a_decision_counts_until_the_nodes_next_events_and_untracked_nodes_keep_content_affinity() -> None:
+    index = KvIndex()
+    nodes = [state(n) for n in ("a", "b")]
+    for i, node in enumerate(nodes):
+        index.apply(node.entry_key, [stored([60 + i], [8 + i] * BS)])
+    choose, routing = policy(index)
+    placed = choose.choose(nodes, key="k", prompt=KvPrompt([*IDS, 1], "m"))
+    assert placed is not None and routing.decisions["load"] == 1
+    assert choose.choose(nodes, key="other", prompt=KvPrompt([*IDS, 2], "m")) is placed  # not announced yet
+    index.apply(placed.entry_key, [stored([50], [9, 9, 9, 9])])  # its events say it holds something else
+    choose.choose(nodes, key="other", prompt=KvPrompt([*IDS, 3], "m"))
+    assert routing.decisions == {"load": 2, "cached_prefix": 1}
+    untracked, routing = policy(KvIndex(), tracked=set())
+    untracked.choose(nodes, key="k", prompt=KvPrompt(IDS, "m"))
+    untracked.choose(nodes, key="k", prompt=None)
+    assert routing.decisions == {"fallback": 2}

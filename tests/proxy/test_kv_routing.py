@@ -1,0 +1,203 @@
+"""Routing by the nodes' KV-cache events, on real processes: etcd, three simulated nodes publishing their events
+(block size 4), and proxy replicas that learn the nodes and their publishers from etcd."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.etcd_server import EtcdServer
+from tests.support.procs import HOST, free_port, wait_until
+from tests.support.proxy_proc import ProxyProc
+from tests.support.sim_node import SimNode
+
+BS = 4
+NAMES = ("a", "b", "c")
+
+
+class Fleet:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.etcd = EtcdServer(root / "etcd-data", root)
+        self.nodes: dict[str, SimNode] = {}
+        self.endpoints: dict[str, tuple[str, str]] = {}
+        self.proxies: list[ProxyProc] = []
+
+    def start(self) -> None:
+        self.etcd.start()
+        for name in NAMES:
+            events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                      "replay_endpoint": replay, "topic": "kv"}  # fmt: skip
+            node = SimNode(self.root, f"sim-{name}", block_size=BS, output_len=1, kv_events_config=json.dumps(config))
+            self.nodes[name], self.endpoints[name] = node.start(), (events, replay)
+            record = {"url": node.url, "role": "mixed", "models": ["sim-model"], "kv_events": events,
+                      "kv_events_replay": replay}  # fmt: skip
+            self.etcd.etcdctl("put", f"/vllm/default/mixed/{node.host_port}", json.dumps(record))
+        for _ in range(2):
+            self.proxies.append(self.proxy())
+
+    def proxy(self) -> ProxyProc:
+        proxy = ProxyProc(self.root, "--etcd", self.etcd.endpoint, "--scrape-load", "0",
+                          name=f"proxy{len(self.proxies)}")  # fmt: skip
+        wait_until(lambda: all(tracked(proxy, n) for n in self.nodes.values()), 20, "every node tracked")
+        return proxy
+
+    def stop(self) -> None:
+        for proxy in self.proxies:
+            proxy.stop()
+        for node in self.nodes.values():
+            node.stop()
+        self.etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    found = Fleet(tmp_path_factory.mktemp("kv-routing"))
+    try:
+        found.start()
+        yield found
+    finally:
+        found.stop()
+
+
+def kv_state(proxy: ProxyProc, node: SimNode) -> dict[str, Any]:
+    worker = next(w for w in proxy.workers() if w["id"] == node.host_port)
+    state: dict[str, Any] = worker["kv_events"]
+    return state
+
+
+def tracked(proxy: ProxyProc, node: SimNode) -> bool:
+    return bool(kv_state(proxy, node)["tracked"])
+
+
+def prefix(seed: int, blocks: int = 3) -> list[int]:
+    return [seed * 100 + i for i in range(blocks * BS)]  # within the simulated vocabulary
+
+
+def send(node: SimNode, ids: list[int]) -> None:
+    """A completion sent to the node itself, not through a proxy: its cache stores the prompt's full blocks."""
+    body = {"model": "sim-model", "prompt": [*ids, 1], "max_tokens": 1}
+    assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=10).status_code == 200
+
+
+def announce(fleet: Fleet, name: str, ids: list[int], proxies: list[ProxyProc] | None = None) -> None:
+    """``send``, then wait until every replica took in the node's batch for it."""
+    node, proxies = fleet.nodes[name], proxies or fleet.proxies
+    before = [kv_state(p, node)["batches"] for p in proxies]
+    send(node, ids)
+    for proxy, seen in zip(proxies, before, strict=True):
+        wait_until(lambda p=proxy, n=seen: kv_state(p, node)["batches"] > n, 10, f"{name}'s events on {proxy}")
+
+
+def routed(proxy: ProxyProc, ids: list[int]) -> str:
+    """The node a token-id completion went to through ``proxy``."""
+    answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": ids, "max_tokens": 1})
+    assert answer.status_code == 200, answer.text
+    return answer.headers["x-sim-node"]
+
+
+def decisions(proxy: ProxyProc) -> dict[str, float]:
+    found = {}
+    for line in proxy.get("/metrics").text.splitlines():
+        if line.startswith("vllm_proxy_kv_routing_decisions_total{"):
+            found[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_a_prefix_a_node_announced_draws_its_requests_through_every_replica(fleet: Fleet) -> None:
+    for seed, name in enumerate(NAMES * 2, start=1):  # each node holds two prefixes: no coincidence of hashing
+        ids = prefix(seed)
+        announce(fleet, name, ids)
+        for proxy in fleet.proxies:
+            before = decisions(proxy)["cached_prefix"]
+            assert [routed(proxy, [*ids, 50 + turn]) for turn in range(3)] == [fleet.nodes[name].host_port] * 3
+            assert decisions(proxy)["cached_prefix"] == before + 3
+    state = kv_state(fleet.proxies[1], fleet.nodes["b"])
+    assert state["connected"] and state["blocks_indexed"] >= 6 and state["block_size"] == BS
+    assert state["malformed"] == state["gaps"] == state["restarts"] == 0
+
+
+def test_after_a_clear_the_prefix_no_longer_draws_requests(fleet: Fleet) -> None:
+    ids = prefix(11)
+    announce(fleet, "b", ids)
+    node = fleet.nodes["b"]
+    assert httpx.post(f"{node.url}/reset_prefix_cache", timeout=5).status_code == 200
+    for proxy in fleet.proxies:
+        wait_until(lambda p=proxy: kv_state(p, node)["blocks_indexed"] == 0, 10, f"b's blocks gone on {proxy}")
+    first, second = fleet.proxies
+    before = decisions(first)
+    placed = routed(first, [*ids, 99])  # no node holds it now: placed by load ...
+    after = decisions(first)
+    assert (after["load"], after["cached_prefix"]) == (before["load"] + 1, before["cached_prefix"])
+    # ... on a node that now holds it, and announces it: the other replica follows.
+    wait_until(lambda: routed(second, [*ids, 98]) == placed, 10, "the other replica following the new holder")
+
+
+def test_a_replica_started_after_the_events_catches_up_through_replay(fleet: Fleet) -> None:
+    ids = prefix(21)
+    announce(fleet, "c", ids)
+    late = fleet.proxy()
+    try:
+        assert kv_state(late, fleet.nodes["c"])["replays"] >= 1
+        assert routed(late, [*ids, 7]) == fleet.nodes["c"].host_port
+        assert decisions(late)["cached_prefix"] == 1
+    finally:
+        late.stop()
+
+
+def test_a_gap_is_filled_from_the_replay_socket_and_a_malformed_frame_changes_nothing_else(fleet: Fleet) -> None:
+    node = fleet.nodes["a"]
+    proxy = fleet.proxies[0]
+    before = kv_state(proxy, node)
+    node.configure(kv_events_drop=1)
+    dropped = prefix(31)
+    send(node, dropped)
+    announce(fleet, "a", prefix(32), [proxy])  # the next batch shows the gap, the replay brings the dropped one
+    assert routed(proxy, [*dropped, 5]) == node.host_port
+    node.configure(kv_events_corrupt=1)
+    send(node, prefix(33))
+    announce(fleet, "a", prefix(34), [proxy])
+    after = kv_state(proxy, node)
+    assert after["gaps"] == before["gaps"] + 1 and after["replays"] >= before["replays"] + 1
+    assert after["malformed"] == before["malformed"] + 1 and after["restarts"] == before["restarts"]
+    assert routed(proxy, [*prefix(32), 5]) == node.host_port  # what it held before is still known
+
+
+def test_token_ids_of_the_generate_route_find_their_cached_prefix_too(fleet: Fleet) -> None:
+    ids = prefix(51)
+    announce(fleet, "c", ids)
+    for proxy in fleet.proxies:
+        body = {"model": "sim-model", "token_ids": [*ids, 3], "sampling_params": {"max_tokens": 1}}
+        answer = proxy.post("/inference/v1/generate", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-sim-node"] == fleet.nodes["c"].host_port
+
+
+def test_a_node_restart_drops_its_entries(fleet: Fleet) -> None:
+    ids = prefix(41)
+    announce(fleet, "b", ids)
+    node = fleet.nodes["b"]
+    node.restart()
+    seed = iter(range(42, 100))
+
+    def seen_restarting() -> bool:
+        # A SUB socket misses what is sent while it reconnects: a new prompt each time until every replica saw one.
+        if all(kv_state(p, node)["restarts"] for p in fleet.proxies):
+            return True
+        send(node, prefix(next(seed)))
+        return False
+
+    wait_until(seen_restarting, 20, "every replica seeing b restart", interval=0.5)
+    assert [kv_state(p, node)["restarts"] for p in fleet.proxies] == [1, 1]
+    first, second = fleet.proxies
+    before = decisions(first)
+    placed = routed(first, [*ids, 8])  # what b held before its restart is forgotten: placed by load
+    after = decisions(first)
+    assert (after["load"], after["cached_prefix"]) == (before["load"] + 1, before["cached_prefix"])
+    wait_until(lambda: routed(second, [*ids, 9]) == placed, 10, "the other replica following the new holder")
