@@ -12,8 +12,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vllm_etcd_proxy.proxy.cli import ENV_PREFIX as PROXY_ENV  # noqa: E402
-from vllm_etcd_proxy.proxy.cli import build_parser as proxy_parser  # noqa: E402
+from vllm_etcd_proxy.proxy.flags import ENV_PREFIX as PROXY_ENV  # noqa: E402
+from vllm_etcd_proxy.proxy.flags import build_parser as proxy_parser  # noqa: E402
 from vllm_etcd_proxy.registrar.cli import ENV_PREFIX as REGISTRAR_ENV  # noqa: E402
 from vllm_etcd_proxy.registrar.cli import build_parser as registrar_parser  # noqa: E402
 from vllm_etcd_proxy.sim.cli import _parser as sim_parser  # noqa: E402

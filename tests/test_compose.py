@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from vllm_etcd_proxy.proxy.cli import build_parser as proxy_parser
-from vllm_etcd_proxy.proxy.cli import settings_from_args as proxy_settings
+from vllm_etcd_proxy.proxy.flags import build_parser as proxy_parser
+from vllm_etcd_proxy.proxy.flags import settings_from_args as proxy_settings
 from vllm_etcd_proxy.registrar.cli import parse_command_line as registrar_command_line
 from vllm_etcd_proxy.registrar.errors import UsageError
 from vllm_etcd_proxy.sim.cli import parse_settings as sim_settings

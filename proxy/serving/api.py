@@ -30,18 +30,10 @@ from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
 from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, PromptIds, read_prompt, token_id_prompt
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import Disaggregator
-from vllm_etcd_proxy.proxy.serving.forms import media_type, multipart_field, urlencoded_field
+from vllm_etcd_proxy.proxy.serving.forms import request_model
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, header_lines
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit
-from vllm_etcd_proxy.proxy.serving.parsing import (
-    BodyLimits,
-    ClientRequest,
-    check_fields,
-    model_field,
-    parse_object,
-    read_body,
-    read_headers,
-)
+from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, read_body, read_headers
 from vllm_etcd_proxy.proxy.serving.relay import Exchange, Relay, ResumePlan, Tally, send_error
 from vllm_etcd_proxy.proxy.serving.responses import ResponseIds, previous_response_id
 from vllm_etcd_proxy.proxy.serving.resume import not_resumable
@@ -155,7 +147,7 @@ class OpenAIRoutes:
             if kind is Kind.BY_RESPONSE_ID:
                 mode, exchange = "pinned", self._by_response_id(path, target, head, raw, method, trace)
             else:
-                body, model = self._read_model(client, raw, query, kind, path)
+                body, model = request_model(client, raw, query, kind, path, self._pool.models)
                 hints = (route_hints(self._prefixes, body, client.session,
                                      count_uncached=self._pd_min_prompt_tokens > 0)
                          if self._read_prompts and body is not None else _NO_HINTS)  # fmt: skip
@@ -209,28 +201,6 @@ class OpenAIRoutes:
         if trace is not None:
             trace.usage(prompt, completion)
             trace.end(status, model)
-
-    def _read_model(self, client: ClientRequest, raw: bytes, query: bytes, kind: Kind,
-                    path: str) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
-        """The parsed JSON body (None for another kind of body) and the model the request is for."""
-        body: dict[str, Any] | None = None
-        model: str | None = None
-        media = media_type(client.content_type)
-        if media == b"multipart/form-data":
-            model = multipart_field(raw, client.content_type or b"", "model")
-        elif media == b"application/x-www-form-urlencoded":
-            model = urlencoded_field(raw, "model")
-        elif kind is not Kind.FORWARD or media == b"application/json" or raw.lstrip().startswith(b"{"):
-            body = parse_object(raw)
-            model = check_fields(body, path) if kind is Kind.GENERATE else model_field(body)
-        if model is None and query:
-            model = urlencoded_field(query, "model")
-        if model is None:
-            served = self._pool.models()
-            if not served:
-                raise NoNodeAvailable("no node is available for any model right now; retry shortly")
-            model = served[0]
-        return body, model
 
     def _resume_plan(self, request: _Request, body: dict[str, Any]) -> ResumePlan:
         async def reopen(continuation: dict[str, Any], avoid: tuple[NodeState, ...]) -> Upstream | ErrorAnswer:

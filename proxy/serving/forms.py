@@ -1,4 +1,5 @@
-"""The model a request names outside a JSON body: a ``multipart/form-data`` field, a urlencoded form, the query.
+"""The model a request names, in a JSON body or outside one: a ``multipart/form-data`` field, a urlencoded
+form, the query (``request_model``).
 
 vLLM's audio routes take a multipart upload whose ``model`` is a form field. The proxy forwards the body as it
 arrived; here it only finds that one field, by searching the body in place: the upload is never copied or
@@ -9,8 +10,12 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+from collections.abc import Callable
+from typing import Any
 
-from vllm_etcd_proxy.proxy.errors import BadRequest
+from vllm_etcd_proxy.proxy.errors import BadRequest, NoNodeAvailable
+from vllm_etcd_proxy.proxy.serving.parsing import ClientRequest, check_fields, model_field, parse_object
+from vllm_etcd_proxy.proxy.serving.routes import Kind
 
 _BOUNDARY = re.compile(rb'boundary=(?:"([^"]{1,200})"|([^\s;,]{1,200}))', re.IGNORECASE)
 _FIELD_NAME = re.compile(rb'(?:^|;)\s*name="([^"]*)"', re.IGNORECASE)
@@ -80,3 +85,27 @@ def urlencoded_field(text: bytes, name: str) -> str | None:
     except UnicodeDecodeError:
         raise BadRequest("form or query string is not ASCII") from None
     return values[0] if values else None
+
+
+def request_model(client: ClientRequest, raw: bytes, query: bytes, kind: Kind, path: str,
+                  served: Callable[[], list[str]]) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
+    """The parsed JSON body (None for another kind of body) and the model the request is for; a request that
+    names none goes to the fleet's first model (``served()``)."""
+    body: dict[str, Any] | None = None
+    model: str | None = None
+    media = media_type(client.content_type)
+    if media == b"multipart/form-data":
+        model = multipart_field(raw, client.content_type or b"", "model")
+    elif media == b"application/x-www-form-urlencoded":
+        model = urlencoded_field(raw, "model")
+    elif kind is not Kind.FORWARD or media == b"application/json" or raw.lstrip().startswith(b"{"):
+        body = parse_object(raw)
+        model = check_fields(body, path) if kind is Kind.GENERATE else model_field(body)
+    if model is None and query:
+        model = urlencoded_field(query, "model")
+    if model is None:
+        models = served()
+        if not models:
+            raise NoNodeAvailable("no node is available for any model right now; retry shortly")
+        model = models[0]
+    return body, model

@@ -17,8 +17,8 @@ import uvicorn
 
 from tests.support.procs import HOST, free_port
 from vllm_etcd_proxy.proxy.app import ProxyApp, build_app
-from vllm_etcd_proxy.proxy.cli import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed
+from vllm_etcd_proxy.proxy.flags import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.serving.forwarder import BUSY_HOLD
 from vllm_etcd_proxy.proxy.upstream.transport import UpstreamRequest, UpstreamResponse
 

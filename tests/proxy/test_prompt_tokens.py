@@ -23,7 +23,7 @@ from tests.support.procs import HOST, free_port
 from tests.support.sim_node import SimNode
 from vllm_etcd_proxy.fleet.vllm import ModelCard, parse_model_cards
 from vllm_etcd_proxy.proxy.app import build_app
-from vllm_etcd_proxy.proxy.cli import build_parser, settings_from_args
+from vllm_etcd_proxy.proxy.flags import build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.routing.tokens import Loaded, PromptTokens, load
 from vllm_etcd_proxy.sim import protocol, vocab
 
