@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from vllm_etcd_proxy.fleet.etcd import EtcdAuthError, EtcdClient, EtcdError
+from vllm_etcd_proxy.fleet.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdUnavailable
 from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
 from vllm_etcd_proxy.fleet.records import Status, set_cards
 from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError, StartupError
@@ -28,6 +28,8 @@ from vllm_etcd_proxy.registrar.settings import RegistrarSettings
 logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STARTUP_PATIENCE = 15.0
+"""Seconds a registrar whose etcd answers but has no leader (an election) keeps asking before it exits 1."""
 DRAIN_SETTLE = 0.5
 """Seconds after marking the key draining before an idle node counts as drained: requests that a proxy sent
 just before it saw the new status are still on the wire."""
@@ -85,7 +87,7 @@ class Runner:
             try:
                 await client.connect()
                 # Fails now, not after the node is up, when our user may not touch the key.
-                await client.get(self._settings.key)
+                await self._first_read(client)
             except EtcdAuthError as exc:
                 raise StartupError(f"etcd refused us: {exc} (check --etcd-user, the password and the user's "
                                    f"role on {self._settings.key})") from None  # fmt: skip
@@ -98,6 +100,22 @@ class Runner:
         finally:
             for sig in STOP_SIGNALS:
                 loop.remove_signal_handler(sig)
+
+    async def _first_read(self, client: EtcdClient) -> None:
+        """Read our key once. A member answered ``connect``, so an unavailable answer now is a cluster between
+        leaders (an election takes a second or two): ask again for up to ``STARTUP_PATIENCE`` s before giving up."""
+        deadline = asyncio.get_running_loop().time() + STARTUP_PATIENCE
+        pause = 0.1
+        while True:
+            try:
+                await client.get(self._settings.key)
+                return
+            except EtcdUnavailable as exc:
+                if asyncio.get_running_loop().time() + pause > deadline:
+                    raise
+                logger.warning("etcd answered but cannot serve a read yet (%s); asking again in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(2.0, pause * 2)
 
     async def _run_connected(self, client: EtcdClient) -> int:
         s = self._settings
