@@ -88,6 +88,21 @@ class _FlushFirst(Collector):
         return iter(())
 
 
+class LabelChildren:
+    """``metric.labels(*labels)``, looked up once per label set: prometheus_client's lookup takes a lock and
+    builds tuples, so the request path reuses the children it has seen (the label sets are bounded)."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def __call__(self, metric: Counter | Histogram | Gauge, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+
 class ProxyMetrics:
     """Counters and histograms updated on the request path.
 
@@ -180,15 +195,7 @@ class ProxyMetrics:
             "vllm_proxy_websocket_sessions_open", "WebSocket connections relayed right now.", ["route"],
             registry=registry, multiprocess_mode="livesum",
         )  # fmt: skip
-        # Label lookups take a lock and build tuples; the request path reuses the children it has seen.
-        self._children: dict[tuple[object, ...], Any] = {}
-
-    def _child(self, metric: Counter | Histogram | Gauge, *labels: str) -> Any:
-        key = (metric, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
+        self._child = LabelChildren()
 
     def request_done(self, route: str, mode: str, status: int, started: float) -> None:
         """A client request answered (``started``: its ``time.monotonic()``)."""

@@ -3,9 +3,9 @@ set stays as small as the set; models only from those the fleet serves."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from vllm_etcd_proxy.proxy.operations.metrics import LabelChildren
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OPEN = "none"
@@ -49,11 +49,4 @@ class TenantMetrics:
             "vllm_proxy_limit_replicas", "Replicas the tenants' limits are shared among (from etcd; 1 without).",
             registry=registry, multiprocess_mode="liveall",
         )  # fmt: skip
-        self._children: dict[tuple[object, ...], Any] = {}
-
-    def child(self, metric: Counter | Histogram | Gauge, *labels: str) -> Any:
-        key = (metric, *labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+        self.child = LabelChildren()
