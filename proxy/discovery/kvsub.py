@@ -195,6 +195,8 @@ class Subscriber:
                 await self._gap(context, 0)
         elif last is not None and seq > last + 1:
             await self._gap(context, last + 1)
+        elif last is None and seq > 0 and self.replay is not None:
+            await self._gap(context, 0)  # the first batch seen (the replay at start had none): some came before
         if self.last_seq is None or seq > self.last_seq:
             self._apply(seq, frames[2])
             self._floor = seq + 1

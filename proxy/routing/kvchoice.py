@@ -5,11 +5,14 @@
   this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
   holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
   turn of a conversation stays where its cache is.
-- Otherwise (a new conversation, which at most shares a preamble with others) the least loaded node wins, ties
-  broken by a hash of the request's affinity key and the node, so every replica that sees the same loads picks
-  the same node and conversations spread evenly (reason ``load``) -- unless, when no node holds any of it,
-  today's content affinity would place it on a node whose events are not followed, which keeps its share
-  (reason ``fallback``).
+- Otherwise (a new conversation, which at most shares a preamble with others) the node serving the fewest
+  conversations wins (as its events show them, kvconversations.py, plus those this replica sent it that its
+  events do not show yet; divided by its speed weight, so a slow node takes fewer), then the least loaded, ties
+  broken by a hash of the request's affinity key and the node (reason ``load``). Every replica counts the same
+  conversations from the same events within milliseconds, where loads are scraped a fraction of a second
+  apart, so conversations spread evenly over the nodes whichever replica each begins on -- unless, when no
+  node holds any of it, today's content affinity would place it on a node whose events are not followed, which
+  keeps its share (reason ``fallback``).
 - No tracked node, or a prompt whose token ids are unknown: content affinity (``CacheAware``; ``fallback``).
 - Where a request went is remembered as if the node had announced its blocks, so the next turn of a quick
   conversation follows it before the node's events arrive: until the node's next batch of events (which
@@ -23,7 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _mix, _stable_hash, _untried, node_load
+from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _mix, _stable_hash, _untried, node_load, speed_weights
 from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
 from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 
@@ -38,6 +41,8 @@ EPSILON, SLACK = 0.5, 2
 """A node is overloaded when its load exceeds ``1 + EPSILON`` times the mean plus ``SLACK`` requests (as for
 cache-aware): then its prefix does not draw the request."""
 KV_FULL = 0.95
+PENDING = 2.0
+"""Seconds a conversation this replica began on a node counts there before the node's events show it."""
 
 
 def _adapter(model: str, pool: Sequence[NodeState]) -> str:
@@ -64,6 +69,8 @@ class KvRouting:
         self._expiry: deque[tuple[float, int, int]] = deque()
         self._valid: dict[int, tuple[int | None, float]] = {}
         """slot -> (its index version, until when) at the last decision for it."""
+        self._begun: dict[str, tuple[int, deque[float]]] = {}
+        """node -> (its conversations begun, as last seen; when this replica began ones not seen since)."""
 
     def _valid_slots(self, now: float) -> int:
         """The slots whose remembered decisions still count: no event from the node since, not expired."""
@@ -96,6 +103,30 @@ class KvRouting:
         for key in keys:
             self._recent[key] = self._recent.get(key, 0) | bit
             self._expiry.append((until, key, bit))
+
+    def conversations(self, state: NodeState, now: float) -> int:
+        """The conversations the node serves: by its events, plus those this replica just began there."""
+        blocks = self.index.node(state.entry_key)
+        begun, active = (blocks.conversations.begun, blocks.conversations.active(now)) if blocks else (0, 0)
+        mine = self._begun.get(state.entry_key)
+        if mine is None:
+            return active
+        seen, times = mine
+        for _ in range(min(begun - seen, len(times))):
+            times.popleft()  # a conversation begun since: count it as one of ours (it may be another's)
+        while times and times[0] <= now - PENDING:
+            times.popleft()
+        if times:
+            self._begun[state.entry_key] = (begun, times)
+        else:
+            del self._begun[state.entry_key]
+        return active + len(times)
+
+    def began(self, state: NodeState, now: float) -> None:
+        """A new conversation was sent to the node (after ``conversations`` was asked for it)."""
+        blocks = self.index.node(state.entry_key)
+        begun = blocks.conversations.begun if blocks else 0
+        self._begun.setdefault(state.entry_key, (begun, deque()))[1].append(now)
 
     def cached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> list[tuple[NodeState, int, list[int]]] | None:
         """(node, cached prompt tokens, the prompt's keys at its block size) for each tracked node; None when no
@@ -176,7 +207,15 @@ class KvAware:
                 affine = self._fallback.choose(pool, (), key)
                 if affine is not None and not routing.tracked(affine.entry_key):
                     return self._decided("fallback", affine)
-            # A new conversation, or one whose node forgot it (or is overloaded): by load, so they spread evenly.
-            reason, ((state, _, keys), _) = "load", min(roomy, key=lambda f: (f[1], rank(f)[2]))
+            # A new conversation, or one whose node forgot it (or is overloaded): where fewest are, then by load.
+            now = time.monotonic()
+            weights = dict(zip((id(c[0]) for c, _ in roomy), speed_weights([c[0] for c, _ in roomy]), strict=True))
+
+            def placement(found: tuple[tuple[NodeState, int, list[int]], int]) -> tuple[float, int, int]:
+                node = found[0][0]
+                return routing.conversations(node, now) / weights[id(node)], found[1], rank(found)[2]
+
+            reason, ((state, _, keys), _) = "load", min(roomy, key=placement)
+            routing.began(state, now)
         routing.sent(state, keys)
         return self._decided(reason, state)

@@ -17,10 +17,12 @@ Every change costs in proportion to the blocks it names; only dropping a node wa
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Event, Removed, Stored
+from vllm_etcd_proxy.proxy.routing.kvconversations import Conversations
 
 MAX_BLOCKS = 1_000_000
 """Blocks indexed per node at most: 16M tokens at block size 16; stores beyond are counted and left out."""
@@ -53,6 +55,8 @@ class NodeBlocks:
     """Stored blocks left out: the node had ``MAX_BLOCKS`` already."""
     version: int = 0
     """Batches of events applied: what a routing decision's memory is checked against (kvchoice.py)."""
+    conversations: Conversations = field(default_factory=Conversations)
+    """The conversations it serves, by the shape of its stores (kvconversations.py)."""
 
 
 class KvIndex:
@@ -100,22 +104,28 @@ class KvIndex:
 
     # -- changes ------------------------------------------------------------------------------------------------
 
-    def apply(self, name: str, events: Iterable[Event]) -> None:
-        """One node's events, in order."""
+    def apply(self, name: str, events: Iterable[Event], now: float | None = None) -> None:
+        """One node's events, in order (``now``: when they came, for the conversation counts)."""
         node = self._node(name)
         node.version += 1
+        when = time.monotonic() if now is None else now
         for event in events:
             if isinstance(event, Stored):
-                self._stored(node, event)
+                first = self._stored(node, event)
+                if first is not None:
+                    node.conversations.stored(event.hashes[first - 1] if first else event.parent, event.hashes[-1],
+                                              when)  # fmt: skip
             elif isinstance(event, Removed):
                 for engine_hash in event.hashes:
                     key = node.blocks.pop(engine_hash, None)
                     if key is not None:
                         self._release(key, node.slot)
+                node.conversations.removed(event.hashes)
             elif isinstance(event, Cleared):
                 self._clear(node)
 
-    def _stored(self, node: NodeBlocks, event: Stored) -> None:
+    def _stored(self, node: NodeBlocks, event: Stored) -> int | None:
+        """Index the event's blocks; the position of its first block not indexed before (None: none was)."""
         size, ids, blocks = event.block_size, event.token_ids, node.blocks
         node.block_size = size
         if event.parent is None:
@@ -124,16 +134,19 @@ class KvIndex:
             parent = blocks.get(event.parent)
             if parent is None:
                 node.orphans += len(event.hashes)
-                return
+                return None
             key = parent
         holders, slot, bit = self._holders, node.slot, 1 << node.slot
+        first = None
         for i, engine_hash in enumerate(event.hashes):
             key = hash((key, *ids[i * size : (i + 1) * size])) & _MASK
             if engine_hash in blocks:
                 continue  # stored again (a replayed batch): already counted
             if len(blocks) >= self._max:
                 node.over += len(event.hashes) - i
-                return
+                return first
+            if first is None:
+                first = i
             blocks[engine_hash] = key
             held = holders.get(key)
             if held is None:
@@ -143,6 +156,7 @@ class KvIndex:
                     holders[key] = -((1 << held) | bit)
             else:
                 holders[key] = -(-held | bit)
+        return first
 
     def _release(self, key: int, slot: int) -> None:
         held = self._holders.get(key)
@@ -159,6 +173,7 @@ class KvIndex:
         for key in node.blocks.values():
             self._release(key, node.slot)
         node.blocks.clear()
+        node.conversations.clear()
 
     def drop(self, name: str) -> None:
         """Forget a node (gone, restarted, or its events can no longer be trusted); its slot is reused."""

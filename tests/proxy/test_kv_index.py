@@ -120,7 +120,7 @@ def test_the_longest_cached_prefix_wins_until_its_node_is_overloaded() -> None:
     assert routing.decisions == {"cached_prefix": 2, "load": 1}
 
 
-def test_new_prompts_spread_by_load_alike_on_every_replica() -> None:
+def test_new_prompts_spread_evenly_alike_on_every_replica() -> None:
     nodes = [state(n) for n in ("a", "b", "c", "d")]
     first, _ = policy(KvIndex())
     second, _ = policy(KvIndex())
@@ -130,10 +130,26 @@ def test_new_prompts_spread_by_load_alike_on_every_replica() -> None:
         one = first.choose(nodes, key=f"prefix:{i}", prompt=prompt)
         assert one is not None and second.choose(nodes, key=f"prefix:{i}", prompt=prompt) is one
         picks.append(one.node.node_id)
-    assert 35 <= min(picks.count(n) for n in "abcd")  # about 50 each, by the hash of the key
-    nodes[0].in_flight = 1
-    assert all(first.choose(nodes, key=f"prefix:{i}", prompt=KvPrompt([i] * 9, "m")) is not nodes[0]
-               for i in range(20))  # fmt: skip
+    assert [picks.count(n) for n in "abcd"] == [50] * 4  # each replica counts the conversations it began
+
+
+def test_a_new_conversation_goes_where_the_events_show_fewest_then_by_load() -> None:
+    nodes = [state(n) for n in ("a", "b", "c")]
+    replicas = [KvIndex(), KvIndex()]
+    begun = {"a": 3, "b": 1, "c": 2}  # conversations: stores from the root, or forks off a shared block
+    for index in replicas:
+        for node in nodes:
+            name = node.node.node_id
+            index.apply(node.entry_key, [stored([100, 200], IDS[:8])])  # a preamble's block, then its own
+            index.apply(node.entry_key, [stored([200 + t], [t] * 4, parent=100) for t in range(1, begun[name])])
+            index.apply(node.entry_key, [stored([250], [7] * 4, parent=201)] if name == "a" else [])  # a next turn
+    choosers = [policy(index)[0] for index in replicas]
+    picked = [c.choose(nodes, key="new", prompt=KvPrompt([9] * 9, "m")) for c in choosers]
+    assert picked == [nodes[1], nodes[1]]  # b serves one conversation: fewest, on both replicas
+    # The first replica counts its own placement at once; its next new conversation goes to c (2) ahead of b (2)
+    # only by load: b is busier.
+    nodes[1].in_flight = 1
+    assert choosers[0].choose(nodes, key="next", prompt=KvPrompt([8] * 9, "m")) is nodes[2]
 
 
 def test_a_decision_counts_until_the_nodes_next_events_and_untracked_nodes_keep_content_affinity() -> None:
@@ -152,3 +168,21 @@ def test_a_decision_counts_until_the_nodes_next_events_and_untracked_nodes_keep_
     untracked.choose(nodes, key="k", prompt=KvPrompt(IDS, "m"))
     untracked.choose(nodes, key="k", prompt=None)
     assert routing.decisions == {"fallback": 2}
+
+
+def test_conversations_are_counted_from_the_shape_of_the_stores() -> None:
+    index = KvIndex()
+    name = state("a").entry_key
+    index.apply(name, [stored([1, 2], IDS[:8])], now=0.0)  # a first request: preamble block 1, its own block 2
+    index.apply(name, [stored([3], IDS[:4], parent=2)], now=1.0)  # its answer fills a block: the same one
+    index.apply(name, [stored([4, 5], IDS[:8], parent=1)], now=2.0)  # another forks off the preamble
+    index.apply(name, [stored([4, 5], IDS[:8], parent=1)], now=2.5)  # replayed: nothing new
+    convs = index.node(name).conversations  # type: ignore[union-attr]
+    assert (convs.active(3.0), convs.begun) == (2, 2)
+    index.apply(name, [stored([6], IDS[:4], parent=3)], now=50.0)  # the first one's next turn
+    assert convs.active(62.5) == 1  # the second said nothing for a minute: it ended
+    index.apply(name, [Removed([6])], now=63.0)  # the first one's last block evicted: it is no longer here
+    assert convs.active(63.0) == 0
+    index.apply(name, [stored([7], IDS[:4])], now=64.0)
+    index.apply(name, [Cleared()], now=65.0)
+    assert convs.active(65.0) == 0 and convs.begun == 3

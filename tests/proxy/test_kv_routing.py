@@ -102,6 +102,19 @@ def routed(proxy: ProxyProc, ids: list[int]) -> str:
     return answer.headers["x-sim-node"]
 
 
+def routed_and_seen(fleet: Fleet, via: ProxyProc, ids: list[int]) -> str:
+    """``routed`` through ``via``, then wait until the other replicas took in the chosen node's events for it (a
+    request to them before that would be placed by load as a new prompt, and then be cached there too)."""
+    others = [p for p in fleet.proxies if p is not via]
+    before = {p: {w["id"]: w["kv_events"]["batches"] for w in p.workers()} for p in others}
+    placed = routed(via, ids)
+    node = next(n for n in fleet.nodes.values() if n.host_port == placed)
+    for proxy in others:
+        wait_until(lambda p=proxy: kv_state(p, node)["batches"] > before[p][placed], 10,
+                   f"{placed}'s events on {proxy}")  # fmt: skip
+    return placed
+
+
 def decisions(proxy: ProxyProc) -> dict[str, float]:
     found = {}
     for line in proxy.get("/metrics").text.splitlines():
@@ -132,11 +145,11 @@ def test_after_a_clear_the_prefix_no_longer_draws_requests(fleet: Fleet) -> None
         wait_until(lambda p=proxy: kv_state(p, node)["blocks_indexed"] == 0, 10, f"b's blocks gone on {proxy}")
     first, second = fleet.proxies
     before = decisions(first)
-    placed = routed(first, [*ids, 99])  # no node holds it now: placed by load ...
+    placed = routed_and_seen(fleet, first, [*ids, 99])  # no node holds it now: placed by load ...
     after = decisions(first)
     assert (after["load"], after["cached_prefix"]) == (before["load"] + 1, before["cached_prefix"])
     # ... on a node that now holds it, and announces it: the other replica follows.
-    wait_until(lambda: routed(second, [*ids, 98]) == placed, 10, "the other replica following the new holder")
+    assert routed(second, [*ids, 98]) == placed
 
 
 def test_a_replica_started_after_the_events_catches_up_through_replay(fleet: Fleet) -> None:
@@ -197,7 +210,7 @@ def test_a_node_restart_drops_its_entries(fleet: Fleet) -> None:
     assert [kv_state(p, node)["restarts"] for p in fleet.proxies] == [1, 1]
     first, second = fleet.proxies
     before = decisions(first)
-    placed = routed(first, [*ids, 8])  # what b held before its restart is forgotten: placed by load
+    placed = routed_and_seen(fleet, first, [*ids, 8])  # what b held before its restart is forgotten: by load
     after = decisions(first)
     assert (after["load"], after["cached_prefix"]) == (before["load"] + 1, before["cached_prefix"])
-    wait_until(lambda: routed(second, [*ids, 9]) == placed, 10, "the other replica following the new holder")
+    assert routed(second, [*ids, 9]) == placed  # the other replica follows the new holder
