@@ -169,6 +169,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
     prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
                                                                         if model in s.cards], registry)  # fmt: skip
+    pool.on_node(prompt_tokens.node_seen)
     adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
     loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
 

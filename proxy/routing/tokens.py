@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from tokenizers import Tokenizer
 
 from vllm_etcd_proxy.fleet.vllm import ModelCard
+from vllm_etcd_proxy.proxy.discovery.state import NodeState
 from vllm_etcd_proxy.proxy.routing.chat_template import ChatTemplate, Unsupported
 from vllm_etcd_proxy.proxy.routing.prefix_ids import CACHE_TOKENS, PrefixIds, Splitter
 
@@ -151,11 +152,22 @@ class PromptTokens:
         self._loads: dict[str, Future[Loaded]] = {}
         self._failed: dict[str, float] = {}
         self._warned: set[tuple[str, str]] = set()
+        loaded = Gauge("vllm_proxy_tokenizers_loaded", "Tokenizers loaded for routing on KV-cache events (from "
+                       "--tokenizer, or a model card's local root).", registry=registry)  # fmt: skip
+        loaded.set_function(lambda: sum(1 for f in list(self._loads.values()) if f.done() and not f.exception()))
 
     def start(self) -> None:
         """Begin loading the tokenizers named by --tokenizer."""
         for source in set(self._sources.values()):
             self._load(source)
+
+    def node_seen(self, state: NodeState) -> None:
+        """A node came or changed (``Pool.on_node``): when it publishes KV events, begin loading the tokenizers of
+        its models now, so that a conversation's first turns are read as token ids too (until a tokenizer is
+        loaded, its model's requests go by content affinity, and the index has nothing to say about them)."""
+        if state.node.kv_events:
+            for model in state.cards:
+                self._tokenizer(model)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -114,3 +114,25 @@ def test_a_chat_finds_the_blocks_of_its_rendered_prompt(logs_dir: Path, tmp_path
         proxy.stop()
         for node in nodes:
             node.stop()
+
+
+def test_a_publishing_nodes_tokenizer_loads_before_the_first_request(logs_dir: Path, tmp_path: Path) -> None:
+    # The card's root names the simulator's tokenizer directory: the replica loads it as soon as it learns the
+    # node's models, so a conversation's first turn is read as token ids (not routed by content while it loads).
+    node, flag = publishing(logs_dir, "tok", tokenizer=tmp_path / "tokenizer")
+    proxy = ProxyProc(logs_dir, "--mixed", node.host_port, "--kv-events", flag)
+    try:
+
+        def loaded() -> bool:
+            lines = proxy.get("/metrics").text.splitlines()
+            return "vllm_proxy_tokenizers_loaded 1.0" in lines
+
+        wait_until(loaded, 15, "the tokenizer loaded with no request sent")
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1}
+        assert proxy.post("/v1/chat/completions", json=body).status_code == 200
+        outcomes = [line for line in proxy.get("/metrics").text.splitlines()
+                    if line.startswith("vllm_proxy_prompt_tokenize_total{")]  # fmt: skip
+        assert 'vllm_proxy_prompt_tokenize_total{outcome="whole"} 1.0' in outcomes, outcomes
+    finally:
+        proxy.stop()
+        node.stop()
