@@ -176,6 +176,8 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
             if "--kv-events-config" in flags:
                 kv_flags += ["--kv-events", f"{HOST}:{node.port}={events},{replay}"]
         fleet.wait_ready()
+        if kv_flags:  # the replicas tokenize with the nodes' tokenizer (static nodes given --model have no cards)
+            kv_flags += ["--tokenizer", f"{MODEL}={fleet.log_dir / 'tokenizer'}"]
         by_role = {role: [f"{HOST}:{n.port}" for n, s in zip(self.nodes, self.specs, strict=True) if s.role == role]
                    for role in ("mixed", "prefill", "decode")}  # fmt: skip
         ready: list[tuple[Server, str]] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +30,8 @@ class KvView:
         view["blocks_indexed"] = len(blocks.blocks) if blocks is not None else 0
         view["block_size"] = blocks.block_size if blocks is not None else None
         view["orphan_blocks"] = blocks.orphans if blocks is not None else 0
+        view["conversations"] = self._routing.conversations(state, time.monotonic())
+        view["conversations_begun"] = blocks.conversations.begun if blocks is not None else 0
         return view
 
 

@@ -5,7 +5,9 @@ A node stores a conversation's blocks as a chain: its first request stores the b
 whatever prefix the node had), then each block its answer fills, then the next turn the blocks after the last
 one it had. So a store whose parent is the last block of an earlier store (a *tip*) continues that conversation,
 and any other store (from the root, or from the middle of a chain: a shared preamble, an earlier turn) begins
-one. A conversation counts while its tip moved within ``WINDOW`` seconds and the node still holds that block.
+one. A conversation counts while its tip moved within ``WINDOW`` seconds, even if the node evicted it since:
+the count says where conversations were placed lately, and eviction depends on how busy a node's cache is, not on
+whether the conversation goes on (counting only cached tips would make the nodes that evict most look emptiest).
 
 Exceptions this does not see: a turn whose prompt the node holds whole and whose answer fills no block stores
 nothing (the conversation may age out early); a chat whose history renders differently from what was generated
@@ -14,7 +16,7 @@ forks before the tip (counted as a new one; the old one ages out). Both only mak
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 
 WINDOW = 60.0
 """Seconds after its last stored block that a conversation still counts (a user reading the answer and typing
@@ -42,12 +44,6 @@ class Conversations:
         tips[last] = now
         if len(tips) > MAX_TIPS:
             del tips[next(iter(tips))]
-
-    def removed(self, hashes: Iterable[Hashable]) -> None:
-        tips = self._tips
-        if tips:
-            for engine_hash in hashes:
-                tips.pop(engine_hash, None)
 
     def clear(self) -> None:
         self._tips.clear()

@@ -120,7 +120,6 @@ class KvIndex:
                     key = node.blocks.pop(engine_hash, None)
                     if key is not None:
                         self._release(key, node.slot)
-                node.conversations.removed(event.hashes)
             elif isinstance(event, Cleared):
                 self._clear(node)
 

@@ -181,8 +181,8 @@ def test_conversations_are_counted_from_the_shape_of_the_stores() -> None:
     assert (convs.active(3.0), convs.begun) == (2, 2)
     index.apply(name, [stored([6], IDS[:4], parent=3)], now=50.0)  # the first one's next turn
     assert convs.active(62.5) == 1  # the second said nothing for a minute: it ended
-    index.apply(name, [Removed([6])], now=63.0)  # the first one's last block evicted: it is no longer here
-    assert convs.active(63.0) == 0
+    index.apply(name, [Removed([6])], now=63.0)  # evicted: still placed here lately (busy caches evict more)
+    assert convs.active(63.0) == 1
     index.apply(name, [stored([7], IDS[:4])], now=64.0)
     index.apply(name, [Cleared()], now=65.0)
     assert convs.active(65.0) == 0 and convs.begun == 3
