@@ -4,8 +4,8 @@
   the index. When a node that is not overloaded (load, ``node_load``: the node's own running and waiting, or
   this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
   holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
-  turn of a conversation stays where its cache is. Several nodes holding the same longest prefix (a long
-  shared preamble) are told apart as below.
+  turn of a conversation stays where its cache is. When several nodes hold that longest prefix, it is a
+  preamble that conversations share, and the request is a new conversation, placed as below.
 - Otherwise (a new conversation, which at most shares a preamble with others) the node serving the fewest
   conversations wins (as its events show them, kvconversations.py, plus those this replica sent it that its
   events do not show yet; divided by its speed weight, so a slow node takes fewer), then the least loaded, ties
@@ -197,25 +197,25 @@ class KvAware:
         now = time.monotonic()
         weights = dict(zip((id(c[0]) for c, _ in roomy), speed_weights([c[0] for c, _ in roomy]), strict=True))
 
-        def placement(found: tuple[tuple[NodeState, int, list[int]], int]) -> tuple[float, int, int]:
-            """Fewest conversations for its speed, then least loaded, then the node ranked first for the key."""
-            (node, _, _), load = found
+        def placement(found: tuple[tuple[NodeState, int, list[int]], int]) -> tuple[float, int, int, int]:
+            """Fewest conversations for its speed, then most cached, then least loaded, then the node ranked first
+            for the request's key."""
+            (node, tokens, _), load = found
             spread = _mix(seed ^ _stable_hash(node.node.node_id))
-            return routing.conversations(node, now) / weights[id(node)], load, spread
+            return routing.conversations(node, now) / weights[id(node)], -tokens, load, spread
 
-        if best and best >= self._share * (len(prompt.ids) - 1):
-            # Most of the prompt is cached on a node that is not overloaded: the longest prefix wins. When several
-            # nodes hold it (a shared preamble: a new conversation), the one serving the fewest conversations.
-            top = [f for f in fit if f[0][1] == best]
-            reason, ((state, _, keys), _) = "cached_prefix", min(top, key=placement)
-            if len(top) > 1:
-                routing.began(state, now)
+        top = [f for f in fit if f[0][1] == best] if best and best >= self._share * (len(prompt.ids) - 1) else []
+        if len(top) == 1:
+            # Most of the prompt is cached on one node that is not overloaded: the next turn of its conversation
+            # (or a preamble only it holds yet), which stays where its cache is.
+            reason, ((state, _, keys), _) = "cached_prefix", top[0]
         else:
             if best == 0 and len(cached) < len(pool):
                 affine = self._fallback.choose(pool, (), key)
                 if affine is not None and not routing.tracked(affine.entry_key):
                     return self._decided("fallback", affine)
-            # A new conversation, or one whose node forgot it (or is overloaded): where fewest are, then by load.
+            # A new conversation (what is cached, if anything, is a preamble that several nodes hold), or one whose
+            # node forgot it or is overloaded: where the fewest conversations are, then where most is cached.
             reason, ((state, _, keys), _) = "load", min(roomy, key=placement)
             routing.began(state, now)
         routing.sent(state, keys)
