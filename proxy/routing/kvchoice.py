@@ -96,12 +96,16 @@ class KvRouting:
                 recent.pop(key, None)
         return recent
 
-    def sent(self, state: NodeState, keys: Sequence[int]) -> None:
+    def sent(self, state: NodeState, keys: Sequence[int], held: int = 0) -> None:
+        """The request with the block ``keys`` went to the node, which held its first ``held`` tokens already:
+        only the keys after those are remembered (a long conversation's next turn adds a few)."""
         slot = self.index.slot_of(state.entry_key)
         bit = 1 << slot
         until = time.monotonic() + self._remember
         self._valid[slot] = (self.index.version(slot), until)
-        for key in keys:
+        blocks = self.index.node(state.entry_key)
+        size = blocks.block_size if blocks is not None else 0
+        for key in keys[held // size :] if size and held else keys:
             self._recent[key] = self._recent.get(key, 0) | bit
             self._expiry.append((until, key, bit))
 
@@ -208,7 +212,7 @@ class KvAware:
         if len(top) == 1:
             # Most of the prompt is cached on one node that is not overloaded: the next turn of its conversation
             # (or a preamble only it holds yet), which stays where its cache is.
-            reason, ((state, _, keys), _) = "cached_prefix", top[0]
+            reason, ((state, held, keys), _) = "cached_prefix", top[0]
         else:
             if best == 0 and len(cached) < len(pool):
                 affine = self._fallback.choose(pool, (), key)
@@ -216,7 +220,7 @@ class KvAware:
                     return self._decided("fallback", affine)
             # A new conversation (what is cached, if anything, is a preamble that several nodes hold), or one whose
             # node forgot it or is overloaded: where the fewest conversations are, then where most is cached.
-            reason, ((state, _, keys), _) = "load", min(roomy, key=placement)
+            reason, ((state, held, keys), _) = "load", min(roomy, key=placement)
             routing.began(state, now)
-        routing.sent(state, keys)
+        routing.sent(state, keys, held)
         return self._decided(reason, state)
