@@ -18,9 +18,11 @@ The cost is a task and two sockets per publishing node, and work in proportion t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,6 +43,8 @@ RECEIVE_HWM = 100_000
 """Frames ZMQ keeps for a subscriber busy with a replay (vLLM's own publisher keeps 100,000 too)."""
 DRAIN = 256
 """Frames read in one go before the loop yields to others."""
+RECENT_SEEN = 8
+"""Batches remembered by seq and payload hash, to tell a restarted node after a reconnection."""
 REPLAYED_WINDOW = 2.0
 """Seconds after a replay during which live frames it already brought count as seen, not as a restart: those
 ZMQ kept while the replay ran (a restarted node's new frames come later than that)."""
@@ -76,9 +80,15 @@ class Subscriber:
         self.connected = False
         self.silent = False
         self.last_seq: int | None = None
-        self._floor = 0
-        """Seqs from here up to ``last_seq`` were just replayed: seeing them live again is no restart."""
-        self._floor_until = 0.0
+        self._replayed: dict[int, int] = {}
+        """seq -> hash of the payload, of the batches the last replay brought: the same batch seen live again
+        soon after (it was on its way meanwhile) is no restart; another batch with such a seq is."""
+        self._replayed_until = 0.0
+        self._seen: deque[tuple[int, int]] = deque(maxlen=RECENT_SEEN)
+        """(seq, hash of the payload) of the last batches applied: after a reconnection, a node whose replay
+        socket has other batches under those seqs restarted, even if its new seqs already passed ours."""
+        self._resumed = False
+        """The connection dropped since the last frame."""
         self.last_event_at: float | None = None
         self.lag: float | None = None
         self.counts = {"batches": 0, "events": 0, "gaps": 0, "replays": 0, "malformed": 0, "restarts": 0}
@@ -150,7 +160,7 @@ class Subscriber:
             self.connected = True
             log.info("kv events connected node=%s endpoint=%s", self.name, self.endpoint)
         elif event == zmq.EVENT_DISCONNECTED:
-            self.connected = False
+            self.connected, self._resumed = False, True
             log.warning("kv events disconnected node=%s endpoint=%s", self.name, self.endpoint)
 
     def _check_silence(self) -> None:
@@ -183,9 +193,15 @@ class Subscriber:
             self._malformed(str(exc))
             return
         last = self.last_seq
+        resumed, self._resumed = self._resumed, False
+        restarted = False
         if last is not None and seq <= last:
-            if seq >= self._floor and time.monotonic() < self._floor_until:
+            if time.monotonic() < self._replayed_until and self._replayed.get(seq) == hash(frames[2]):
                 return  # seen in a replay already
+            restarted = True
+        elif last is not None and resumed and self.replay is not None:
+            restarted = not await self._same_process(context)
+        if restarted:
             self._count("restarts")
             log.info("kv events: node restarted (seq %d after %d) node=%s: its blocks are forgotten", seq, last,
                      self.name)  # fmt: skip
@@ -199,7 +215,6 @@ class Subscriber:
             await self._gap(context, 0)  # the first batch seen (the replay at start had none): some came before
         if self.last_seq is None or seq > self.last_seq:
             self._apply(seq, frames[2])
-            self._floor = seq + 1
 
     async def _gap(self, context: zmq.asyncio.Context, start: int) -> None:
         """Batches from ``start`` were missed: replay them, or forget the node's blocks when that cannot be done."""
@@ -214,9 +229,48 @@ class Subscriber:
         first, and the replayed ones are the best view there is."""
         assert self.replay is not None
         self._count("replays")
+        first: int | None = None
+        self._replayed = replayed = {}
+        try:
+            async with contextlib.aclosing(self._replay(context, start)) as answers:
+                async for seq, payload in answers:
+                    if seq < start or (self.last_seq is not None and seq <= self.last_seq):
+                        continue
+                    if first is None:
+                        first = seq
+                        if seq > start > 0:
+                            log.warning("kv events: replay starts at seq %d, not %d node=%s: its blocks are "
+                                        "forgotten", seq, start, self.name)  # fmt: skip
+                            self._sink.drop(self.name)
+                    replayed[seq] = hash(payload)
+                    self._apply(seq, payload)
+        except (TimeoutError, Malformed, zmq.ZMQError) as exc:
+            log.warning("kv events: replay failed node=%s endpoint=%s error=%s", self.name, self.replay,
+                        type(exc).__name__)  # fmt: skip
+            return False
+        self._replayed_until = time.monotonic() + REPLAYED_WINDOW
+        return True
+
+    async def _same_process(self, context: zmq.asyncio.Context) -> bool:
+        """Whether the replay socket still holds the batches last applied here as they were (True when it cannot
+        tell: it no longer has them, or does not answer)."""
+        wanted = dict(self._seen)
+        if not wanted:
+            return True
+        try:
+            async with contextlib.aclosing(self._replay(context, min(wanted))) as answers:
+                async for seq, payload in answers:
+                    if wanted.get(seq, hash(payload)) != hash(payload):
+                        return False
+        except (TimeoutError, Malformed, zmq.ZMQError):
+            pass
+        return True
+
+    async def _replay(self, context: zmq.asyncio.Context, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
+        """(seq, payload) of each batch the replay socket answers from ``start`` on."""
+        assert self.replay is not None
         dealer = context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        first: int | None = None
         try:
             dealer.connect(self.replay)
             await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), REPLAY_TIMEOUT)
@@ -227,28 +281,14 @@ class Subscriber:
                     continue
                 seq = read_seq(frames[1])
                 if seq == -1:
-                    break
-                if seq < start or (self.last_seq is not None and seq <= self.last_seq):
-                    continue
-                if first is None:
-                    first = seq
-                    if seq > start > 0:
-                        log.warning("kv events: replay starts at seq %d, not %d node=%s: its blocks are "
-                                    "forgotten", seq, start, self.name)  # fmt: skip
-                        self._sink.drop(self.name)
-                self._apply(seq, frames[2])
-        except (TimeoutError, Malformed, zmq.ZMQError) as exc:
-            log.warning("kv events: replay failed node=%s endpoint=%s error=%s", self.name, self.replay,
-                        type(exc).__name__)  # fmt: skip
-            return False
+                    return
+                yield seq, frames[2]
         finally:
             dealer.close(0)
-        self._floor = min(self._floor, start)
-        self._floor_until = time.monotonic() + REPLAYED_WINDOW
-        return True
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
+        self._seen.append((seq, hash(payload)))
         try:
             batch = read_batch(seq, payload)
         except Malformed as exc:
