@@ -186,3 +186,18 @@ def test_conversations_are_counted_from_the_shape_of_the_stores() -> None:
     index.apply(name, [stored([7], IDS[:4])], now=64.0)
     index.apply(name, [Cleared()], now=65.0)
     assert convs.active(65.0) == 0 and convs.begun == 3
+
+
+def test_a_preamble_several_nodes_hold_does_not_keep_new_conversations_off_the_others() -> None:
+    index = KvIndex()
+    nodes = [state(n) for n in ("a", "b", "c")]
+    preamble = list(range(1, 9))  # two blocks, the larger part of every new conversation's prompt
+    for node, tip in ((nodes[0], 20), (nodes[1], 30)):  # a and b each serve one conversation after it
+        index.apply(node.entry_key, [stored([10, 11, tip], [*preamble, tip, tip, tip, tip])])
+    choose, routing = policy(index)
+    picked = choose.choose(nodes, key="new", prompt=KvPrompt([*preamble, 7, 7, 7], "m"))
+    assert picked is nodes[2] and routing.decisions == {"load": 1}  # c serves none: its prefill is worth it
+    # With conversations even, the nodes holding the preamble come first.
+    index.apply(nodes[2].entry_key, [stored([40], [9, 9, 9, 9])])
+    again = choose.choose(nodes, key="new2", prompt=KvPrompt([*preamble, 6, 6, 6], "m"))
+    assert again in (nodes[0], nodes[1])
