@@ -5,17 +5,16 @@ events and tokenizing, against the same request without them, and CPU per 1,000 
 
 Two stacks side by side on 127.0.0.1, each of ``--nodes`` vllm-sim nodes (prefix cache, the simulator's Hugging
 Face tokenizer, no generation delay) and one vllm-proxy replica (default policy, ``--scrape-load 0``):
-- events on: the nodes publish KV-cache events (``--kv-events-config``), the replica subscribes to them
-  (``--kv-events NODE=...``) and tokenizes chats with ``--tokenizer sim-model=DIR``: kv-aware routing;
-- events off: the nodes publish nothing and their model cards' root is no tokenizer directory, so the replica
-  routes by content affinity (cache-aware), as a fleet without the feature does.
+- events on: the nodes publish KV-cache events, the replica subscribes (``--kv-events NODE=...``) and tokenizes
+  chats (``--tokenizer sim-model=DIR``): kv-aware routing;
+- events off: the nodes publish nothing and their cards' root is no tokenizer directory: content affinity, as
+  a fleet without the feature.
 Each conversation (a ~1,000-word document as the system message, shared by all, then ``--turns`` user turns of
 150 words, each answered in 16 tokens: ~2,000 tokens at turn 6) goes to both stacks, turn by turn in turn
 (which one first alternates per conversation), one request at a time, non-streamed. A request's CPU is its
 replica's (every thread, in ns, from /proc/PID/task/*/schedstat) from just before it is sent to just after its
-response is read. A replica takes in its request's events afterwards: "between" is its CPU from the end of one
-of its requests to the start of its next (the other stack's request runs meanwhile).
-Ingest: no requests go through the replicas; ``--ingest-requests`` token-id completions of 1-8 fresh blocks go
+response is read; "between" is from the end of one of its requests to the start of its next.
+Ingest: with no requests through the replicas, ``--ingest-requests`` token-id completions of 1-8 fresh blocks go
 straight to one publishing node, 8 at a time, so its cache fills and evicts; the events-on replica's CPU over
 that, less its idle rate, divided by the events its /metrics counted.
 """
@@ -28,7 +27,6 @@ import datetime
 import hashlib
 import json
 import random
-import re
 import statistics
 import sys
 import time
@@ -80,14 +78,10 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def metric(client: httpx.Client, url: str, name: str) -> dict[str, float]:
-    """Samples of ``name`` on a Prometheus page, by their label text ("" when unlabelled)."""
-    found: dict[str, float] = {}
-    for line in client.get(url + "/metrics").text.splitlines():
-        hit = re.fullmatch(re.escape(name) + r"(\{[^}]*\})? (\S+)", line)
-        if hit:
-            found[hit.group(1) or ""] = float(hit.group(2))
-    return found
+def samples(client: httpx.Client, url: str) -> dict[str, float]:
+    """A Prometheus page's samples: name with its labels -> value."""
+    lines = (line.rpartition(" ") for line in client.get(url + "/metrics").text.splitlines() if line[:1] != "#")
+    return {name: float(value) for name, _, value in lines if name}
 
 
 class Chats:
@@ -171,7 +165,7 @@ def warm_up(sides: dict[str, Side], chats: Chats, args: argparse.Namespace) -> N
     each side: its first chats are also checked against tokenizing whole, and connections open."""
     on = sides["events_on"]
     deadline = time.monotonic() + 60
-    while '{outcome="whole"}' not in metric(on.client, on.replica.url, "vllm_proxy_prompt_tokenize_total"):
+    while 'vllm_proxy_prompt_tokenize_total{outcome="whole"}' not in samples(on.client, on.replica.url):
         if time.monotonic() > deadline:
             raise SystemExit(f"the events-on replica never tokenized a chat:\n{on.replica.log_tail()}")
         on.chat(chats, -1, 0, measured=False)
@@ -180,15 +174,26 @@ def warm_up(sides: dict[str, Side], chats: Chats, args: argparse.Namespace) -> N
             side.chat(chats, -2, turn, measured=False)
 
 
+FAMILIES = {"vllm_proxy_kv_routing_decisions_total": "decision ", "vllm_proxy_prompt_tokenize_total": "tokenize "}
+
+
 def counters(side: Side) -> dict[str, float]:
-    url = side.replica.url
-    out = {"events": sum(metric(side.client, url, "vllm_proxy_kv_events_total").values()),
-           "batches": sum(metric(side.client, url, "vllm_proxy_kv_event_batches_total").values())}  # fmt: skip
-    for labels, value in metric(side.client, url, "vllm_proxy_kv_routing_decisions_total").items():
-        out["decision " + labels.split('"')[1]] = value
-    for labels, value in metric(side.client, url, "vllm_proxy_prompt_tokenize_total").items():
-        out["tokenize " + labels.split('"')[1]] = value
+    """The replica's KV-event counts, routing decisions by reason and tokenizing outcomes."""
+    found = samples(side.client, side.replica.url)
+    out = {"events": found.get("vllm_proxy_kv_events_total", 0),
+           "batches": found.get("vllm_proxy_kv_event_batches_total", 0)}  # fmt: skip
+    for name, value in found.items():
+        family, brace, labels = name.partition("{")
+        if brace and family in FAMILIES:
+            out[FAMILIES[family] + labels.split('"')[1]] = value
     return out
+
+
+def placed(nodes: list[Server]) -> dict[str, Any]:
+    """Requests each node received (warm-up included) and the nodes' prefix cache hit rate (of prompt tokens)."""
+    counted = [httpx.get(n.url + "/sim/requests", timeout=10.0).json()["counters"] for n in nodes]
+    hits, queries = (sum(int(c.get(f"prefix_cache_{k}", 0)) for c in counted) for k in ("hits", "queries"))
+    return {"node_requests": [int(c.get("received", 0)) for c in counted], "hit_rate": round(hits / max(1, queries), 3)}
 
 
 async def _direct(url: str, requests: int, seed: int) -> int:
@@ -218,14 +223,13 @@ def ingest(on: Side, off: Side, args: argparse.Namespace) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), cpu_ns(pid)
     blocks = asyncio.run(_direct(on.nodes[0].url, args.ingest_requests, seed=7))
     # Until the replica has gone quiet: what it spends in 0.1 s is its idle rate's again (or 10 s passed).
-    deadline = time.monotonic() + 10
-    last = cpu_ns(pid)
+    deadline, last = time.monotonic() + 10, cpu_ns(pid)
     while time.monotonic() < deadline:
         time.sleep(0.1)
         now = cpu_ns(pid)
-        quiet, last = now - last <= idle_rate * 0.1 * 1.5 + 200_000, now
-        if quiet:
+        if now - last <= idle_rate * 0.1 * 1.5 + 200_000:
             break
+        last = now
     t1, c1 = time.perf_counter(), cpu_ns(pid)
     end = counters(on)
     events, batches = end["events"] - start["events"], end["batches"] - start["batches"]
@@ -259,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     side.chat(chats, c, turn, measured=True)
         during = {name: {k: v - before[name].get(k, 0) for k, v in counters(side).items()}
                   for name, side in sides.items()}  # fmt: skip
+        where = {name: placed(side.nodes) for name, side in sides.items()}
         ingested = ingest(sides["events_on"], sides["events_off"], args)
         pids = {s.name: s.pid for s in fleet.servers}
     report: dict[str, Any] = {"ok": True, "code": code_version(), "machine": machine(started, loadavg),
@@ -272,6 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          for turn, ns in sorted(side.cpu.items())},
             "events_per_request": round(during[name].get("events", 0) / requests, 2),
             "counters": {k: int(v) for k, v in during[name].items() if v},
+            **where[name],
         }  # fmt: skip
     on, off = report["events_on"]["request"], report["events_off"]["request"]
     report["ratio_p50"] = round(on["p50_us"] / off["p50_us"], 2)
@@ -284,12 +290,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     cfg, ing = report["config"], report["ingest"]
-    lines = [
-        f"replica CPU per chat request: {cfg['conversations']} conversations x {cfg['turns']} turns per side, "
-        f"serial, {cfg['nodes']} nodes each; code {report['code']}, load average "
-        f"{report['machine']['loadavg_start']} -> {report['machine']['loadavg_end']}",  # fmt: skip
-        f"{'turn':>6} {'tokens':>7} | {'events on p50':>13} {'p90':>7} | {'events off p50':>14} {'p90':>7} (us)",
-    ]
+    lines = [f"replica CPU per chat request: {cfg['conversations']} conversations x {cfg['turns']} turns per side, "
+             f"serial, {cfg['nodes']} nodes each; code {report['code']}, load average "
+             f"{report['machine']['loadavg_start']} -> {report['machine']['loadavg_end']}",
+             f"{'turn':>6} {'tokens':>7} | {'events on p50':>13} {'p90':>7} | {'events off p50':>14} {'p90':>7} "
+             "(us)"]  # fmt: skip
     on, off = report["events_on"], report["events_off"]
     rows = [(str(t), str(on["per_turn"][t]["prompt_tokens"]), on["per_turn"][t], off["per_turn"][t])
             for t in on["per_turn"]]  # fmt: skip
@@ -298,6 +303,8 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"{turn:>6} {count:>7} | {a['p50_us']:>13} {a['p90_us']:>7} | {b['p50_us']:>14} {b['p90_us']:>7}")
     lines += [f"events on / off, p50: {report['ratio_p50']}x (+{report['added_p50_us']} us); "
               f"{on['events_per_request']} events a request; events-on counters {on['counters']}",
+              f"requests per node (warm-up too): events on {on['node_requests']}, off {off['node_requests']}; prefix "
+              f"cache hit rate {on['hit_rate']} / {off['hit_rate']}",
               f"ingest: {ing['events']} events ({ing['batches']} batches, {ing['blocks_stored']} blocks stored) "
               f"in {ing['seconds']} s, replica CPU {ing['replica_cpu_ms']} ms (idle {ing['idle_cpu_ms_per_s']} "
               f"ms/s; events off {ing['idle_cpu_ms_per_s_events_off']}): {ing['ms_per_1000_events']} ms per "
