@@ -238,6 +238,7 @@ def ingest(on: Side, off: Side, args: argparse.Namespace) -> dict[str, Any]:
             "seconds": round(t1 - t0, 2), "replica_cpu_ms": round((c1 - c0) / 1e6, 1),
             "idle_cpu_ms_per_s": round(idle_rate / 1e6, 2), "idle_cpu_ms_per_s_events_off": round(idle_off / 1e6, 2),
             "ms_per_1000_events": round(net / 1e6 / events * 1000, 2) if events else None,
+            "ms_per_1000_batches": round(net / 1e6 / batches * 1000, 1) if batches else None,
             "ms_per_1000_blocks_stored": round(net / 1e6 / blocks * 1000, 2)}  # fmt: skip
 
 
@@ -308,7 +309,8 @@ def render(report: dict[str, Any]) -> str:
               f"ingest: {ing['events']} events ({ing['batches']} batches, {ing['blocks_stored']} blocks stored) "
               f"in {ing['seconds']} s, replica CPU {ing['replica_cpu_ms']} ms (idle {ing['idle_cpu_ms_per_s']} "
               f"ms/s; events off {ing['idle_cpu_ms_per_s_events_off']}): {ing['ms_per_1000_events']} ms per "
-              f"1,000 events, {ing['ms_per_1000_blocks_stored']} ms per 1,000 blocks stored"]  # fmt: skip
+              f"1,000 events, {ing['ms_per_1000_batches']} per 1,000 batches, {ing['ms_per_1000_blocks_stored']} per "
+              "1,000 blocks stored"]  # fmt: skip
     return "\n".join(lines)
 
 
