@@ -54,10 +54,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--system-words", type=int, default=1000, help="the shared document, in words (1000)")
     p.add_argument("--user-words", type=int, default=150, help="words per user turn (150)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per answer (16)")
-    p.add_argument("--ingest-requests", type=int, default=1500, help="requests straight to a node for the events "
-                   "figure (1500)")  # fmt: skip
-    p.add_argument("--idle-seconds", type=float, default=2.0, help="the events-on replica's idle rate is measured "
-                   "over this long before ingesting (2)")  # fmt: skip
+    p.add_argument("--ingest-requests", type=int, default=1500, help="requests straight to a node, ingest (1500)")
+    p.add_argument("--idle-seconds", type=float, default=2.0, help="idle rate measured over this long (2)")
     add_run_flags(p, QUICK, "a smoke run")
     args = parse_quick(p, argv, QUICK)
     if min(args.conversations, args.turns, args.nodes, args.system_words, args.user_words, args.max_tokens,
