@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -120,35 +120,43 @@ class Subscriber:
                               (zmq.RECONNECT_IVL_MAX, 5000)):  # fmt: skip
             sub.setsockopt(option, value)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # reads what is there without a future per frame
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # read what is there, no future per frame
         watch: zmq.Socket[bytes] = zmq.Socket.shadow(monitor.underlying)
+        loop = asyncio.get_running_loop()
+        wake = _Wake(loop)
+        fds: list[int] = []
         try:
             sub.connect(self.endpoint)
             if self.replay is not None:
                 await self._catch_up(context, 0)
-            poller = zmq.asyncio.Poller()
-            poller.register(sub, zmq.POLLIN)
-            poller.register(monitor, zmq.POLLIN)
+            # The sockets' own file descriptors wake this task, rather than pyzmq's asyncio Poller, whose every
+            # poll costs futures, a timer and a callback per socket: a batch came at 0.2-0.4 ms of CPU that way.
+            for socket in (raw, watch):
+                fds.append(cast(int, socket.getsockopt(zmq.FD)))
+                loop.add_reader(fds[-1], wake.set)
             next_check = time.monotonic() + SILENT_CHECK
+            # A descriptor only says that something changed: ZMQ's EVENTS says whether a message waits (and asking
+            # it costs less than the exception of reading none).
             while True:
-                ready = dict(await poller.poll(timeout=max(0.0, next_check - time.monotonic()) * 1000))
-                if monitor in ready:
-                    while True:
-                        try:
-                            self._monitor(watch.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                if sub in ready:
-                    for _ in range(DRAIN):
-                        try:
-                            frames = raw.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        await self._frame(context, frames)
+                while _readable(watch):
+                    self._monitor(watch.recv_multipart(zmq.NOBLOCK))
+                more = False
+                for _ in range(DRAIN):
+                    if not _readable(raw):
+                        break
+                    await self._frame(context, raw.recv_multipart(zmq.NOBLOCK))
+                else:
+                    more = True
                 if time.monotonic() >= next_check:
                     self._check_silence()
                     next_check = time.monotonic() + SILENT_CHECK
+                if more:
+                    await asyncio.sleep(0)  # DRAIN frames in a row: let the others run, then read on
+                elif not (_readable(raw) or _readable(watch)):
+                    await wake.wait(max(0.0, next_check - time.monotonic()))
         finally:
+            for fd in fds:
+                loop.remove_reader(fd)
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
@@ -301,3 +309,29 @@ class Subscriber:
         self._count("events", len(batch.events))
         self.last_event_at = time.monotonic()
         self.lag = max(0.0, time.time() - batch.ts)
+
+
+def _readable(socket: zmq.Socket[bytes]) -> bool:
+    return bool(cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+class _Wake:
+    """A task's wake-up from file-descriptor callbacks: ``wait`` until ``set`` is called or ``timeout`` passes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._waiter: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        self._waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(timeout, self.set)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None

@@ -7,10 +7,11 @@ token ids, so one key means one whole prefix. A request's prompt is read the sam
 longest cached prefix on a node is the run of its keys that the node holds.
 
 For each key the index keeps the nodes holding it: a node's slot number while one node does (the common case,
-which costs no object of its own) or a bit mask of slots. For each node it keeps its own hashes -> our keys, as
-a ``BlockRemoved`` names blocks by the node's hashes only. A block whose parent the node never announced (an
-event missed before this replica subscribed) cannot be keyed and is counted as an orphan. Each node holds at
-most ``MAX_BLOCKS`` blocks here (a real node's cache is smaller); memory per block: bench/README.md.
+which costs no object of its own) or a bit mask of slots. For each node it keeps its own hashes -> our keys
+(packed in two arrays, kvblocks.py), as a ``BlockRemoved`` names blocks by the node's hashes only. A block
+whose parent the node never announced (an event missed before this replica subscribed) cannot be keyed and is
+counted as an orphan. Each node holds at most ``MAX_BLOCKS`` blocks here (a real node's cache is smaller);
+memory per block: bench/README.md.
 
 Every change costs in proportion to the blocks it names; only dropping a node walks that node's blocks.
 """
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Event, Removed, Stored
+from vllm_etcd_proxy.proxy.routing.kvblocks import BlockMap
 from vllm_etcd_proxy.proxy.routing.kvconversations import Conversations
 
 MAX_BLOCKS = 1_000_000
@@ -46,7 +48,7 @@ class NodeBlocks:
     """One node's blocks: its hashes -> our keys, and what its events looked like."""
 
     slot: int
-    blocks: dict[int, int] = field(default_factory=dict)
+    blocks: BlockMap = field(default_factory=BlockMap)
     block_size: int = 0
     """Of its last store (0: none yet)."""
     orphans: int = 0
@@ -117,7 +119,7 @@ class KvIndex:
                                               when)  # fmt: skip
             elif isinstance(event, Removed):
                 for engine_hash in event.hashes:
-                    key = node.blocks.pop(engine_hash, None)
+                    key = node.blocks.pop(engine_hash)
                     if key is not None:
                         self._release(key, node.slot)
             elif isinstance(event, Cleared):
@@ -136,17 +138,17 @@ class KvIndex:
                 return None
             key = parent
         holders, slot, bit = self._holders, node.slot, 1 << node.slot
-        first = None
+        first, room = None, self._max - len(blocks)
         for i, engine_hash in enumerate(event.hashes):
             key = hash((key, *ids[i * size : (i + 1) * size])) & _MASK
-            if engine_hash in blocks:
-                continue  # stored again (a replayed batch): already counted
-            if len(blocks) >= self._max:
+            if room <= 0 and engine_hash not in blocks:
                 node.over += len(event.hashes) - i
                 return first
+            if not blocks.add(engine_hash, key):
+                continue  # stored again (a replayed batch): already counted
+            room -= 1
             if first is None:
                 first = i
-            blocks[engine_hash] = key
             held = holders.get(key)
             if held is None:
                 holders[key] = slot

@@ -1,0 +1,40 @@
+"""A node's engine hash -> key map (routing/kvblocks.py) answers as a dict would, whatever the order of stores
+and removals, including hashes that crowd the same slots and runs that wrap around the table's end."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_etcd_proxy.proxy.routing.kvblocks import BlockMap
+
+# Small hashes share their home slots (and the runs reach the end of the table and wrap); large ones spread.
+HASHES = st.integers(0, 40) | st.integers(0, (1 << 60) - 1) | st.sampled_from([15, 31, 47, 63, 1 << 40, (1 << 40) + 15])
+CHANGES = st.lists(st.tuples(st.sampled_from(["add", "pop", "clear"]), HASHES, st.integers(0, (1 << 60) - 1)),
+                   max_size=400)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(CHANGES)
+def test_block_map_answers_as_a_dict_after_any_changes(changes: list[tuple[str, int, int]]) -> None:
+    packed, model = BlockMap(), dict[int, int]()
+    for op, engine_hash, key in changes:
+        if op == "add":
+            assert packed.add(engine_hash, key) is (engine_hash not in model)
+            model.setdefault(engine_hash, key)
+        elif op == "pop":
+            assert packed.pop(engine_hash) == model.pop(engine_hash, None)
+        elif len(changes) % 7 == 0:  # now and then, not in every run: clearing hides what came before
+            packed.clear()
+            model.clear()
+        assert len(packed) == len(model)
+    for engine_hash, key in model.items():
+        assert engine_hash in packed and packed.get(engine_hash) == key
+    assert sorted(packed.values()) == sorted(model.values())
+    assert all(packed.get(h) is None and h not in packed for h in range(41) if h not in model)
+
+
+def test_a_hash_is_kept_to_sixty_bits_as_the_wire_folds_it() -> None:
+    packed = BlockMap()
+    assert packed.add((1 << 64) - 1, 7)
+    assert packed.get((1 << 60) - 1) == 7 and packed.pop((1 << 64) - 1) == 7 and not packed
