@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -30,13 +30,12 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from vllm_etcd_proxy.proxy.discovery.kvreplay import replay, same_process
 from vllm_etcd_proxy.proxy.discovery.kvwire import Event, Malformed, read_batch, read_seq
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 
 log = logging.getLogger(__name__)
 
-REPLAY_TIMEOUT = 2.0
-"""Seconds to wait for each answer of a replay socket."""
 SILENT_CHECK = 5.0
 SILENT_REQUESTS = 4
 RECEIVE_HWM = 100_000
@@ -208,7 +207,7 @@ class Subscriber:
                 return  # seen in a replay already
             restarted = True
         elif last is not None and resumed and self.replay is not None:
-            restarted = not await self._same_process(context)
+            restarted = not await same_process(context, self.replay, self._seen, self._malformed)
         if restarted:
             self._count("restarts")
             log.info("kv events: node restarted (seq %d after %d) node=%s: its blocks are forgotten", seq, last,
@@ -240,7 +239,7 @@ class Subscriber:
         first: int | None = None
         self._replayed = replayed = {}
         try:
-            async with contextlib.aclosing(self._replay(context, start)) as answers:
+            async with contextlib.aclosing(replay(context, self.replay, start, self._malformed)) as answers:
                 async for seq, payload in answers:
                     if seq < start or (self.last_seq is not None and seq <= self.last_seq):
                         continue
@@ -258,41 +257,6 @@ class Subscriber:
             return False
         self._replayed_until = time.monotonic() + REPLAYED_WINDOW
         return True
-
-    async def _same_process(self, context: zmq.asyncio.Context) -> bool:
-        """Whether the replay socket still holds the batches last applied here as they were (True when it cannot
-        tell: it no longer has them, or does not answer)."""
-        wanted = dict(self._seen)
-        if not wanted:
-            return True
-        try:
-            async with contextlib.aclosing(self._replay(context, min(wanted))) as answers:
-                async for seq, payload in answers:
-                    if wanted.get(seq, hash(payload)) != hash(payload):
-                        return False
-        except (TimeoutError, Malformed, zmq.ZMQError):
-            pass
-        return True
-
-    async def _replay(self, context: zmq.asyncio.Context, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
-        """(seq, payload) of each batch the replay socket answers from ``start`` on."""
-        assert self.replay is not None
-        dealer = context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(self.replay)
-            await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), REPLAY_TIMEOUT)
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT)
-                if len(frames) != 3:
-                    self._malformed("a replay answer is not 3 frames")
-                    continue
-                seq = read_seq(frames[1])
-                if seq == -1:
-                    return
-                yield seq, frames[2]
-        finally:
-            dealer.close(0)
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq

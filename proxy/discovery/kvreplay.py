@@ -1,0 +1,56 @@
+"""A node's KV-event replay socket, as a client: vLLM's ROUTER answers a DEALER's ``[b"", start_seq]`` with
+``[b"", seq, payload]`` for each batch it still buffers from there on, then ``[b"", -1, b""]``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterable
+
+import zmq
+import zmq.asyncio
+
+from vllm_etcd_proxy.proxy.discovery.kvwire import Malformed, read_seq
+
+REPLAY_TIMEOUT = 2.0
+"""Seconds to wait for each answer of a replay socket."""
+
+
+async def replay(context: zmq.asyncio.Context, endpoint: str, start: int,
+                 malformed: Callable[[str], None]) -> AsyncGenerator[tuple[int, bytes], None]:  # fmt: skip
+    """(seq, payload) of each batch the replay socket at ``endpoint`` answers from ``start`` on. Raises
+    TimeoutError, Malformed or zmq.ZMQError when it does not answer, or answers what is no seq."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(endpoint)
+        await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), REPLAY_TIMEOUT)
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT)
+            if len(frames) != 3:
+                malformed("a replay answer is not 3 frames")
+                continue
+            seq = read_seq(frames[1])
+            if seq == -1:
+                return
+            yield seq, frames[2]
+    finally:
+        dealer.close(0)
+
+
+async def same_process(context: zmq.asyncio.Context, endpoint: str, seen: Iterable[tuple[int, int]],
+                       malformed: Callable[[str], None]) -> bool:  # fmt: skip
+    """Whether the replay socket still holds the batches ``seen`` ((seq, hash of the payload), the last ones a
+    subscriber applied) as they were: a node that restarted holds others under those seqs. True when it cannot
+    tell (it no longer has them, or does not answer)."""
+    wanted = dict(seen)
+    if not wanted:
+        return True
+    try:
+        async with contextlib.aclosing(replay(context, endpoint, min(wanted), malformed)) as answers:
+            async for seq, payload in answers:
+                if wanted.get(seq, hash(payload)) != hash(payload):
+                    return False
+    except (TimeoutError, Malformed, zmq.ZMQError):
+        pass
+    return True
