@@ -5,7 +5,9 @@
   this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
   holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
   turn of a conversation stays where its cache is. When several nodes hold that longest prefix, it is a
-  preamble that conversations share, and the request is a new conversation, placed as below.
+  preamble that conversations share, and the request is a new conversation, placed as below; so is a prompt
+  that goes on past its node's prefix from inside one of the node's chains (a document another conversation
+  began with), where a next turn goes on from a chain's last block (kvconversations.py tells them apart).
 - Otherwise (a new conversation, which at most shares a preamble with others) the node serving the fewest
   conversations wins (as its events show them, kvconversations.py, plus those this replica sent it that its
   events do not show yet; divided by its speed weight, so a slow node takes fewer), then the least loaded, ties
@@ -70,6 +72,9 @@ class KvRouting:
         self._expiry: deque[tuple[float, int, int]] = deque()
         self._valid: dict[int, tuple[int | None, float]] = {}
         """slot -> (its index version, until when) at the last decision for it."""
+        self._sent_tips: dict[int, int] = {}
+        """Last block key of a prompt this replica sent -> slots it went to (until the node's events say more)."""
+        self._tip_expiry: deque[tuple[float, int, int]] = deque()
         self._begun: dict[str, tuple[int, deque[float]]] = {}
         """node -> (its conversations begun, as last seen; when this replica began ones not seen since)."""
 
@@ -94,7 +99,24 @@ class KvRouting:
                 recent[key] = left
             else:
                 recent.pop(key, None)
+        tips, tip_expiry = self._sent_tips, self._tip_expiry
+        while tip_expiry and (tip_expiry[0][0] <= now or len(tip_expiry) > MAX_REMEMBERED):
+            _, key, bit = tip_expiry.popleft()
+            left = tips.get(key, 0) & ~bit
+            if left:
+                tips[key] = left
+            else:
+                tips.pop(key, None)
         return recent
+
+    def continues(self, state: NodeState, key: int) -> bool:
+        """Whether a prompt whose prefix cached on the node ends at the block ``key`` is the next turn of a
+        conversation there: a chain the node stored ends there, or this replica just sent it a prompt ending
+        there (its events may not say so yet); else it branches off a chain (a new conversation)."""
+        blocks = self.index.node(state.entry_key)
+        if blocks is not None and blocks.conversations.is_tip(key):
+            return True
+        return bool(self._sent_tips.get(key, 0) & (1 << self.index.slot_of(state.entry_key)))
 
     def sent(self, state: NodeState, keys: Sequence[int], held: int = 0) -> None:
         """The request with the block ``keys`` went to the node, which held its first ``held`` tokens already:
@@ -105,6 +127,9 @@ class KvRouting:
         self._valid[slot] = (self.index.version(slot), until)
         blocks = self.index.node(state.entry_key)
         size = blocks.block_size if blocks is not None else 0
+        if keys:
+            self._sent_tips[keys[-1]] = self._sent_tips.get(keys[-1], 0) | bit
+            self._tip_expiry.append((until, keys[-1], bit))
         for key in keys[held // size :] if size and held else keys:
             self._recent[key] = self._recent.get(key, 0) | bit
             self._expiry.append((until, key, bit))
@@ -178,6 +203,15 @@ class KvAware:
         self._fallback = fallback or CacheAware()
         self._epsilon, self._slack, self._share = epsilon, slack, share
 
+    def _branches(self, found: tuple[NodeState, int, list[int]]) -> bool:
+        """Whether what the node holds of the prompt ends inside one of its chains: a new conversation sharing
+        another's start (a document both begin with), not that one's next turn."""
+        state, tokens, keys = found
+        blocks = self._routing.index.node(state.entry_key)
+        size = blocks.block_size if blocks is not None else 0
+        depth = tokens // size if size else 0
+        return depth > 0 and not self._routing.continues(state, keys[depth - 1])
+
     def _decided(self, reason: str, state: NodeState | None) -> NodeState | None:
         self._routing.decisions[reason] += 1
         return state
@@ -209,17 +243,19 @@ class KvAware:
             return routing.conversations(node, now) / weights[id(node)], -tokens, load, spread
 
         top = [f for f in fit if f[0][1] == best] if best and best >= self._share * (len(prompt.ids) - 1) else []
-        if len(top) == 1:
-            # Most of the prompt is cached on one node that is not overloaded: the next turn of its conversation
-            # (or a preamble only it holds yet), which stays where its cache is.
-            reason, ((state, held, keys), _) = "cached_prefix", top[0]
+        going_on = [f for f in top if not self._branches(f[0])]
+        if len(going_on) == 1:
+            # Most of the prompt is cached on a node that is not overloaded, where it is the next turn of a
+            # conversation (its cached prefix ends where one of the node's chains does): it stays there.
+            reason, ((state, held, keys), _) = "cached_prefix", going_on[0]
         else:
             if best == 0 and len(cached) < len(pool):
                 affine = self._fallback.choose(pool, (), key)
                 if affine is not None and not routing.tracked(affine.entry_key):
                     return self._decided("fallback", affine)
-            # A new conversation (what is cached, if anything, is a preamble that several nodes hold), or one whose
-            # node forgot it or is overloaded: where the fewest conversations are, then where most is cached.
+            # A new conversation (what is cached, if anything, is a preamble or a document other conversations
+            # began with), or one whose node forgot it or is overloaded: where the fewest conversations are, then
+            # where most is cached.
             reason, ((state, held, keys), _) = "load", min(roomy, key=placement)
             routing.began(state, now)
         routing.sent(state, keys, held)

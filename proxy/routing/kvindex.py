@@ -113,10 +113,9 @@ class KvIndex:
         when = time.monotonic() if now is None else now
         for event in events:
             if isinstance(event, Stored):
-                first = self._stored(node, event)
-                if first is not None:
-                    node.conversations.stored(event.hashes[first - 1] if first else event.parent, event.hashes[-1],
-                                              when)  # fmt: skip
+                stored = self._stored(node, event)
+                if stored is not None:
+                    node.conversations.stored(*stored, when)
             elif isinstance(event, Removed):
                 for engine_hash in event.hashes:
                     key = node.blocks.pop(engine_hash)
@@ -125,8 +124,9 @@ class KvIndex:
             elif isinstance(event, Cleared):
                 self._clear(node)
 
-    def _stored(self, node: NodeBlocks, event: Stored) -> int | None:
-        """Index the event's blocks; the position of its first block not indexed before (None: none was)."""
+    def _stored(self, node: NodeBlocks, event: Stored) -> tuple[int | None, int | None, int] | None:
+        """Index the event's blocks; the keys of the block before its first new one (None: the root), of the
+        block before its last new one, and of its last new one (None: no block was new)."""
         size, ids, blocks = event.block_size, event.token_ids, node.blocks
         node.block_size = size
         if event.parent is None:
@@ -138,17 +138,19 @@ class KvIndex:
                 return None
             key = parent
         holders, slot, bit = self._holders, node.slot, 1 << node.slot
-        first, room = None, self._max - len(blocks)
+        first: int | None = key if event.parent is not None else None
+        new, last, previous, room = False, key, first, self._max - len(blocks)
         for i, engine_hash in enumerate(event.hashes):
-            key = hash((key, *ids[i * size : (i + 1) * size])) & _MASK
+            before, key = key, hash((key, *ids[i * size : (i + 1) * size])) & _MASK
             if room <= 0 and engine_hash not in blocks:
                 node.over += len(event.hashes) - i
-                return first
+                break
             if not blocks.add(engine_hash, key):
                 continue  # stored again (a replayed batch): already counted
             room -= 1
-            if first is None:
-                first = i
+            if not new:
+                new, first = True, (before if i else first)
+            previous, last = before if i else first, key
             held = holders.get(key)
             if held is None:
                 holders[key] = slot
@@ -157,7 +159,7 @@ class KvIndex:
                     holders[key] = -((1 << held) | bit)
             else:
                 holders[key] = -(-held | bit)
-        return first
+        return (first, previous, last) if new else None
 
     def _release(self, key: int, slot: int) -> None:
         held = self._holders.get(key)

@@ -201,3 +201,19 @@ def test_a_preamble_several_nodes_hold_does_not_keep_new_conversations_off_the_o
     index.apply(nodes[2].entry_key, [stored([40], [9, 9, 9, 9])])
     again = choose.choose(nodes, key="new2", prompt=KvPrompt([*preamble, 6, 6, 6], "m"))
     assert again in (nodes[0], nodes[1])
+
+
+def test_a_document_one_conversation_began_with_draws_its_next_turns_but_not_new_conversations() -> None:
+    index = KvIndex()
+    nodes = [state(n) for n in ("a", "b", "c")]
+    document = list(range(1, 13))  # three blocks: most of any prompt below
+    index.apply(nodes[0].entry_key, [stored([10, 11, 12, 13], [*document, 5, 5, 5, 5])])  # a's conversation
+    choose, routing = policy(index)
+    turn = KvPrompt([*document, 5, 5, 5, 5, 6, 6], "m")  # its next turn: goes on from the chain's last block
+    assert choose.choose(nodes, key="conv", prompt=turn) is nodes[0]
+    index.apply(nodes[0].entry_key, [stored([14, 15], [6, 6, 7, 7, 7, 7, 7, 7], parent=13)])  # its answer
+    other = KvPrompt([*document, 8, 8, 8], "m")  # another conversation on the same document, a short question
+    placed = choose.choose(nodes, key="other", prompt=other)
+    assert placed in (nodes[1], nodes[2]) and routing.decisions == {"cached_prefix": 1, "load": 1}
+    # Its next turn, sent at once, follows it there before that node's events say anything.
+    assert choose.choose(nodes, key="other", prompt=KvPrompt([*document, 8, 8, 8, 8, 9, 9], "m")) is placed
