@@ -57,6 +57,18 @@ def _adapter(model: str, pool: Sequence[NodeState]) -> str:
     return ""
 
 
+def _expire(expiry: deque[tuple[float, int, int]], table: dict[int, int], now: float) -> None:
+    """Take out of ``table`` (key -> bit mask of slots) the (until, key, bit) entries of ``expiry`` that are due,
+    or beyond ``MAX_REMEMBERED``."""
+    while expiry and (expiry[0][0] <= now or len(expiry) > MAX_REMEMBERED):
+        _, key, bit = expiry.popleft()
+        left = table.get(key, 0) & ~bit
+        if left:
+            table[key] = left
+        else:
+            table.pop(key, None)
+
+
 class KvRouting:
     """What the policy and the request path share: the index, which nodes are tracked, recent decisions."""
 
@@ -91,23 +103,9 @@ class KvRouting:
     def recent(self) -> dict[int, int]:
         """Block key -> slots this replica sent it to within ``REMEMBER`` seconds."""
         now = time.monotonic()
-        expiry, recent = self._expiry, self._recent
-        while expiry and (expiry[0][0] <= now or len(expiry) > MAX_REMEMBERED):
-            _, key, bit = expiry.popleft()
-            left = recent.get(key, 0) & ~bit
-            if left:
-                recent[key] = left
-            else:
-                recent.pop(key, None)
-        tips, tip_expiry = self._sent_tips, self._tip_expiry
-        while tip_expiry and (tip_expiry[0][0] <= now or len(tip_expiry) > MAX_REMEMBERED):
-            _, key, bit = tip_expiry.popleft()
-            left = tips.get(key, 0) & ~bit
-            if left:
-                tips[key] = left
-            else:
-                tips.pop(key, None)
-        return recent
+        _expire(self._expiry, self._recent, now)
+        _expire(self._tip_expiry, self._sent_tips, now)
+        return self._recent
 
     def continues(self, state: NodeState, key: int) -> bool:
         """Whether a prompt whose prefix cached on the node ends at the block ``key`` is the next turn of a
