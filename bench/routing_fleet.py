@@ -162,18 +162,20 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
 
     def _start(self) -> None:
         fleet, front = self._fleet, self._frontend
-        # kv-aware replicas route by the nodes' KV-cache events: the nodes publish them, the replicas are told where.
+        # The nodes publish KV-cache events in every run, as a fleet set up for kv-aware routing would, so that
+        # what publishing costs them (CPU on these shared cores) is the same in every row; kv-aware replicas are
+        # told where, and route by them.
         kv_flags: list[str] = []
+        subscribe = front.kind == "proxy" and front.policy == "kv-aware"
         for spec in self.specs:
-            flags = node_flags(spec, **self._node_args)
-            if front.kind == "proxy" and front.policy == "kv-aware":
-                events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
-                flags += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events,
-                                                            "replay_endpoint": replay}),
-                          "--tokenizer", str(fleet.log_dir / "tokenizer")]  # the replicas tokenize with it # fmt: skip
+            events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
+            flags = [*node_flags(spec, **self._node_args),
+                     "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events,
+                                                       "replay_endpoint": replay}),
+                     "--tokenizer", str(fleet.log_dir / "tokenizer")]  # the replicas tokenize with it # fmt: skip
             node = fleet.start(spec.name, "vllm_etcd_proxy.sim", flags, "/health")
             self.nodes.append(node)
-            if "--kv-events-config" in flags:
+            if subscribe:
                 kv_flags += ["--kv-events", f"{HOST}:{node.port}={events},{replay}"]
         fleet.wait_ready()
         if kv_flags:  # the replicas tokenize with the nodes' tokenizer (static nodes given --model have no cards)
