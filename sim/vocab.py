@@ -19,6 +19,7 @@ message's content, as vLLM applies it.
 from __future__ import annotations
 
 import json
+import os
 import string
 from pathlib import Path
 
@@ -76,15 +77,22 @@ def build() -> Tokenizer:
 
 
 def write(directory: str | Path) -> Path:
-    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) into ``directory``."""
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) into ``directory``. Each
+    file is written aside and renamed into place, so that nodes started at once on the same directory (and a
+    router reading it) never see half a file; the config goes first, since ``tokenizer.json`` is what says the
+    directory is written."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    build().save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|eos|>",
         "unk_token": UNK, "bos_token": None, "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False,
     }  # fmt: skip
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    aside = path / f"tokenizer_config.json.{os.getpid()}"
+    aside.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(aside, path / "tokenizer_config.json")
+    aside = path / f"tokenizer.json.{os.getpid()}"
+    build().save(str(aside))
+    os.replace(aside, path / "tokenizer.json")
     return path
 
 
