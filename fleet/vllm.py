@@ -144,6 +144,25 @@ def parse_models(body: Any) -> tuple[str, ...]:
     return tuple(card["id"] for card in parse_model_cards(body))
 
 
+VOLATILE_CARD_FIELDS = frozenset({"created", "id"})
+"""What vLLM makes anew on every GET /v1/models: ``created`` (now) on a card and on each of its ``permission``
+entries, and each permission's ``id`` (random)."""
+
+
+def stable_card(card: Any) -> Any:
+    """A model card without what changes from one GET /v1/models to the next (``VOLATILE_CARD_FIELDS``), its
+    numbers plain: what tells whether a node's cards really changed."""
+    plain = plain_numbers(card)
+    if not isinstance(plain, dict):
+        return plain
+    found = {k: v for k, v in plain.items() if k != "created"}
+    permissions = found.get("permission")
+    if isinstance(permissions, list):
+        found["permission"] = [{k: v for k, v in p.items() if k not in VOLATILE_CARD_FIELDS}
+                               if isinstance(p, dict) else p for p in permissions]  # fmt: skip
+    return found
+
+
 def plain_numbers(value: Any) -> Any:
     """``value`` with every integral float made an int (protobuf's Struct holds all numbers as doubles, so a
     card that went through a node record says ``4096.0`` where the node said ``4096``)."""

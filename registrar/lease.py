@@ -25,7 +25,7 @@ from google.protobuf import json_format
 from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, EventType, LeaseLost
 from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
 from vllm_etcd_proxy.fleet.records import Status, encode_record, set_cards
-from vllm_etcd_proxy.fleet.vllm import ModelCard, plain_numbers
+from vllm_etcd_proxy.fleet.vllm import ModelCard, stable_card
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +113,10 @@ class Registration:
         self._wanted()
 
     def cards_changed(self, cards: tuple[ModelCard, ...]) -> bool:
-        """True when ``cards`` differ from the model cards in the record."""
-        written = tuple(plain_numbers(json_format.MessageToDict(c)) for c in self._record.model_cards)
-        return written != tuple(plain_numbers(dict(c)) for c in cards)
+        """True when ``cards`` differ from the model cards in the record, beyond what vLLM makes anew on every
+        GET /v1/models (``created``, permission ids): else the record was written again at every poll."""
+        written = tuple(stable_card(json_format.MessageToDict(c)) for c in self._record.model_cards)
+        return written != tuple(stable_card(dict(c)) for c in cards)
 
     async def wait_applied(self, timeout: float) -> bool:
         """Wait until etcd holds what is wanted now; False if that took longer than ``timeout`` s."""

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.faults.fleet import holds
 from tests.support.etcd_server import EtcdServer
 from tests.support.procs import HOST, free_port, http_ok, python_module, wait_until
 from tests.support.registrar_proc import (
@@ -218,6 +219,16 @@ def test_unhealthy_node_is_withdrawn_and_restored_under_the_same_lease(
     assert restored.lease == entry.lease
     log = registrar.log()
     assert "node unhealthy, withdrawn" in log and "node healthy again, restored" in log
+
+
+def test_a_record_is_not_written_again_while_the_nodes_models_stay_the_same(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    # vLLM answers every GET /v1/models with a new `created` and new permission ids: no change to its models.
+    node = sims()
+    registrar = registrars(node.url)  # follows the node's models, every --health-interval (0.2 s)
+    wait_for_key(etcd, decode_key(node.host_port))
+    holds(lambda: "record updated" not in registrar.log(), 2.0, "the record as first written")
 
 
 def test_key_deleted_by_an_operator_is_not_put_back(
