@@ -165,9 +165,17 @@ class PromptTokens:
         """A node came or changed (``Pool.on_node``): when it publishes KV events, begin loading the tokenizers of
         its models now, so that a conversation's first turns are read as token ids too (until a tokenizer is
         loaded, its model's requests go by content affinity, and the index has nothing to say about them)."""
-        if state.node.kv_events:
-            for model in state.cards:
-                self._tokenizer(model)
+        if not state.node.kv_events:
+            return
+        cards = state.cards  # this node's own cards: asking the pool for every node of the model, at every node
+        # that joins, would cost a burst of N registrations N^2
+        for model, card in cards.items():
+            root = card.get("root")
+            if model in self._sources or (isinstance(root, str) and root in self._loads):
+                continue  # loaded, or loading, already
+            source = _from_cards(model, lambda m: [cards[m]] if m in cards else [])
+            if source is not None:
+                self._load(source)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
