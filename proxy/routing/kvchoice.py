@@ -190,6 +190,10 @@ class KvRouting:
         return len(prompt.ids) - max(tokens for _, tokens, _ in cached)
 
 
+_Found = tuple[tuple[NodeState, int, list[int]], int]
+"""(node, cached prompt tokens, the prompt's keys), and the node's load."""
+
+
 class KvAware:
     """The kv-aware policy (module docstring); ``decisions`` counts its reasons."""
 
@@ -210,6 +214,20 @@ class KvAware:
         depth = tokens // size if size else 0
         return depth > 0 and not self._routing.continues(state, keys[depth - 1])
 
+    def _placement(self, roomy: Sequence[_Found], prompt: KvPrompt, key: str | None,
+                   now: float) -> Callable[[_Found], tuple[float, int, int, int]]:  # fmt: skip
+        """The rank of a node for a new conversation: fewest conversations for its speed, then most cached, then
+        least loaded, then the node ranked first for the request's key (alike on every replica)."""
+        routing, seed = self._routing, _stable_hash(key or f"prompt:{prompt.ids[:64]}")
+        weights = dict(zip((id(c[0]) for c, _ in roomy), speed_weights([c[0] for c, _ in roomy]), strict=True))
+
+        def rank(found: _Found) -> tuple[float, int, int, int]:
+            (node, tokens, _), load = found
+            spread = _mix(seed ^ _stable_hash(node.node.node_id))
+            return routing.conversations(node, now) / weights[id(node)], -tokens, load, spread
+
+        return rank
+
     def _decided(self, reason: str, state: NodeState | None) -> NodeState | None:
         self._routing.decisions[reason] += 1
         return state
@@ -229,17 +247,6 @@ class KvAware:
         fair = (1 + self._epsilon) * sum(loads) / len(loads) + self._slack
         fit = [(c, n) for c, n in roomy if n <= fair]
         best = max((c[1] for c, _ in fit), default=0)
-        seed = _stable_hash(key or f"prompt:{prompt.ids[:64]}")
-        now = time.monotonic()
-        weights = dict(zip((id(c[0]) for c, _ in roomy), speed_weights([c[0] for c, _ in roomy]), strict=True))
-
-        def placement(found: tuple[tuple[NodeState, int, list[int]], int]) -> tuple[float, int, int, int]:
-            """Fewest conversations for its speed, then most cached, then least loaded, then the node ranked first
-            for the request's key."""
-            (node, tokens, _), load = found
-            spread = _mix(seed ^ _stable_hash(node.node.node_id))
-            return routing.conversations(node, now) / weights[id(node)], -tokens, load, spread
-
         top = [f for f in fit if f[0][1] == best] if best and best >= self._share * (len(prompt.ids) - 1) else []
         going_on = [f for f in top if not self._branches(f[0])]
         if len(going_on) == 1:
@@ -254,7 +261,8 @@ class KvAware:
             # A new conversation (what is cached, if anything, is a preamble or a document other conversations
             # began with), or one whose node forgot it or is overloaded: where the fewest conversations are, then
             # where most is cached.
-            reason, ((state, held, keys), _) = "load", min(roomy, key=placement)
+            now = time.monotonic()
+            reason, ((state, held, keys), _) = "load", min(roomy, key=self._placement(roomy, prompt, key, now))
             routing.began(state, now)
         routing.sent(state, keys, held)
         return self._decided(reason, state)
