@@ -38,9 +38,9 @@ async def replay(context: zmq.asyncio.Context, endpoint: str, start: int,
         dealer.close(0)
 
 
-async def same_process(context: zmq.asyncio.Context, endpoint: str, seen: Iterable[tuple[int, int]],
+async def same_process(context: zmq.asyncio.Context, endpoint: str, seen: Iterable[tuple[int, bytes]],
                        malformed: Callable[[str], None]) -> bool:  # fmt: skip
-    """Whether the replay socket still holds the batches ``seen`` ((seq, hash of the payload), the last ones a
+    """Whether the replay socket still holds the batches ``seen`` ((seq, payload), the last ones a
     subscriber applied) as they were: a node that restarted holds others under those seqs. True when it cannot
     tell (it no longer has them, or does not answer)."""
     wanted = dict(seen)
@@ -49,7 +49,7 @@ async def same_process(context: zmq.asyncio.Context, endpoint: str, seen: Iterab
     try:
         async with contextlib.aclosing(replay(context, endpoint, min(wanted), malformed)) as answers:
             async for seq, payload in answers:
-                if wanted.get(seq, hash(payload)) != hash(payload):
+                if wanted.get(seq, payload) != payload:
                     return False
     except (TimeoutError, Malformed, zmq.ZMQError):
         pass

@@ -43,7 +43,7 @@ RECEIVE_HWM = 100_000
 DRAIN = 256
 """Frames read in one go before the loop yields to others."""
 RECENT_SEEN = 8
-"""Batches remembered by seq and payload hash, to tell a restarted node after a reconnection."""
+"""Batches remembered by seq and payload, to tell a restarted node after a reconnection."""
 REPLAYED_WINDOW = 2.0
 """Seconds after a replay during which live frames it already brought count as seen, not as a restart: those
 ZMQ kept while the replay ran (a restarted node's new frames come later than that)."""
@@ -83,8 +83,8 @@ class Subscriber:
         """seq -> hash of the payload, of the batches the last replay brought: the same batch seen live again
         soon after (it was on its way meanwhile) is no restart; another batch with such a seq is."""
         self._replayed_until = 0.0
-        self._seen: deque[tuple[int, int]] = deque(maxlen=RECENT_SEEN)
-        """(seq, hash of the payload) of the last batches applied: after a reconnection, a node whose replay
+        self._seen: deque[tuple[int, bytes]] = deque(maxlen=RECENT_SEEN)
+        """(seq, payload) of the last batches applied: after a reconnection, a node whose replay
         socket has other batches under those seqs restarted, even if its new seqs already passed ours."""
         self._resumed = False
         """The connection dropped since the last frame."""
@@ -260,7 +260,7 @@ class Subscriber:
 
     def _apply(self, seq: int, payload: bytes) -> None:
         self.last_seq = seq
-        self._seen.append((seq, hash(payload)))
+        self._seen.append((seq, payload))  # kept, not hashed: compared only after a reconnection
         try:
             batch = read_batch(seq, payload)
         except Malformed as exc:
