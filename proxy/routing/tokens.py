@@ -162,20 +162,16 @@ class PromptTokens:
             self._load(source)
 
     def node_seen(self, state: NodeState) -> None:
-        """A node came or changed (``Pool.on_node``): when it publishes KV events, begin loading the tokenizers of
-        its models now, so that a conversation's first turns are read as token ids too (until a tokenizer is
-        loaded, its model's requests go by content affinity, and the index has nothing to say about them)."""
-        if not state.node.kv_events:
-            return
-        cards = state.cards  # this node's own cards: asking the pool for every node of the model, at every node
-        # that joins, would cost a burst of N registrations N^2
+        """A node came or changed (``Pool.on_node``): when it publishes KV events, begin loading its models'
+        tokenizers now, from its own cards (the pool's, at every node, would be N^2 over a burst of N), so that
+        a conversation's first turns are read as token ids too, not routed by content while one loads."""
+        cards = state.cards if state.node.kv_events else {}
         for model, card in cards.items():
             root = card.get("root")
-            if model in self._sources or (isinstance(root, str) and root in self._loads):
-                continue  # loaded, or loading, already
-            source = _from_cards(model, lambda m: [cards[m]] if m in cards else [])
-            if source is not None:
-                self._load(source)
+            if model not in self._sources and not (isinstance(root, str) and root in self._loads):
+                source = _from_cards(model, lambda m: [cards[m]] if m in cards else [])
+                if source is not None:
+                    self._load(source)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
