@@ -29,6 +29,7 @@ test: venv etcd
 
 lint: venv
 	$(BIN)/ruff check fleet proxy registrar sim tests $(wildcard bench)
+	$(BIN)/ruff format --check fleet proxy registrar sim tests $(wildcard bench)
 	$(BIN)/mypy -p vllm_etcd_proxy $(if $(wildcard bench),-p bench)
 
 # Regenerate fleet/pb from protos/ (the generated code is committed so `pip install .` needs no grpcio-tools).

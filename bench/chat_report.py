@@ -69,9 +69,12 @@ def _side(phases: Sequence[Phase]) -> dict[str, Any]:
     total = sum(p.machine_total for p in phases)
     lag = [s for p in phases for s in p.run.loop_lag]
     return {
-        "requests": len(turns), "ok": len(ok), "failed": len(turns) - len(ok),
+        "requests": len(turns),
+        "ok": len(ok),
+        "failed": len(turns) - len(ok),
         "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:5]),
-        "sessions": sessions, "sessions_complete": complete,
+        "sessions": sessions,
+        "sessions_complete": complete,
         "tokens": sum(t.tokens for t in ok),
         "ttft_ms": percentiles_ms([t.ttft for t in ok if t.ttft is not None]),
         "latency_ms": percentiles_ms([t.latency for t in ok if t.latency is not None]),
@@ -82,7 +85,7 @@ def _side(phases: Sequence[Phase]) -> dict[str, Any]:
         "cores": {k: v / wall for k, v in cpu.items()} | {"others": max(0.0, busy - sum(cpu.values())) / wall},
         "machine_busy": busy / total if total else None,
         "loop_lag_ms": percentiles_ms(lag, (50, 99)) | {"max": max(lag) * 1000 if lag else None},
-    }  # fmt: skip
+    }
 
 
 def _others_cores(phase: Phase) -> float:
@@ -103,10 +106,15 @@ def _added(phases: Sequence[Phase]) -> dict[str, Any]:
             diff[key] = p - d if d is not None and p is not None else None
         first = next(p.side for p in phases if p.round == round_no)
         others = {side: _others_cores(by_side[side]) for side in SIDES}
-        pairs.append({
-            "round": round_no + 1, "first": first, **diff, "others_cores": others,
-            "disturbed": max(others.values()) > DISTURBED_CORES,
-        })  # fmt: skip
+        pairs.append(
+            {
+                "round": round_no + 1,
+                "first": first,
+                **diff,
+                "others_cores": others,
+                "disturbed": max(others.values()) > DISTURBED_CORES,
+            }
+        )
     median: dict[str, float | None] = {}
     for key in ("p50", "p99"):
         values: list[float] = [pair[key] for pair in pairs if pair[key] is not None]
@@ -167,8 +175,10 @@ def render(report: Mapping[str, Any]) -> str:
         label = f"round {pair['round']} ({pair['first']} first)"
         others = pair["others_cores"]
         mark = "  DISTURBED: rerun before comparing" if pair["disturbed"] else ""
-        lines.append(f"{label:<36}{_f(pair['p50'], '+.2f'):>8}{_f(pair['p99'], '+.2f'):>8}"
-                     f"   {others['direct']:.2f}, {others['proxy']:.2f}{mark}")  # fmt: skip
+        lines.append(
+            f"{label:<36}{_f(pair['p50'], '+.2f'):>8}{_f(pair['p99'], '+.2f'):>8}"
+            f"   {others['direct']:.2f}, {others['proxy']:.2f}{mark}"
+        )
     med = added["median"]
     lines.append(f"{'median over rounds':<36}{_f(med['p50'], '+.2f'):>8}{_f(med['p99'], '+.2f'):>8}")
     pooled = added["pooled"]
@@ -177,11 +187,16 @@ def render(report: Mapping[str, Any]) -> str:
     for side in SIDES:
         x = s[side]
         spread = " ".join(str(v) for v in x["requests_by_node"].values())
-        lines.append(f"{side}: {x['sessions_complete']}/{x['sessions']} sessions completed all turns; "
-                     f"requests per node {spread}")  # fmt: skip
-    lines.append(f"proxy CPU: {_f(s['proxy_cpu_ms_per_request'], '.2f')} ms per request "
-                 f"({c['max_tokens']} streamed tokens each)")  # fmt: skip
+        lines.append(
+            f"{side}: {x['sessions_complete']}/{x['sessions']} sessions completed all turns; requests per node {spread}"
+        )
+    lines.append(
+        f"proxy CPU: {_f(s['proxy_cpu_ms_per_request'], '.2f')} ms per request ({c['max_tokens']} streamed tokens each)"
+    )
     failed = [side for side in SIDES if s[side]["failed"]]
-    lines.append("all requests succeeded" if not failed else "FAILED requests: " + "; ".join(
-        f"{side}: {s[side]['errors']}" for side in failed))  # fmt: skip
+    lines.append(
+        "all requests succeeded"
+        if not failed
+        else "FAILED requests: " + "; ".join(f"{side}: {s[side]['errors']}" for side in failed)
+    )
     return "\n".join(lines)

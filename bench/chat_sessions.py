@@ -55,8 +55,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--first-words", type=int, default=50, help="words of each session's first message (default 50)")
     add("--followup-words", type=int, default=15, help="words of each later user message (default 15)")
     add("--think", type=float, default=0.0, help="seconds between an answer and the next turn (default 0)")
-    add("--ramp", type=float, help="seconds over which the first sessions start (default: one turn's duration, "
-        "ttft + max_tokens x itl, so that requests do not go out in bursts)")  # fmt: skip
+    add(
+        "--ramp",
+        type=float,
+        help="seconds over which the first sessions start (default: one turn's duration, "
+        "ttft + max_tokens x itl, so that requests do not go out in bursts)",
+    )
     add("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
     add_run_flags(p, QUICK, "a small run for a smoke test")
     args = parse_quick(p, argv, QUICK)
@@ -78,15 +82,27 @@ def placement(pin: bool) -> dict[str, Any]:
     others, proxy = cpus[:-1], cpus[-1:]
     os.sched_setaffinity(0, others)
     return {
-        "pinned": True, "proxy_cpus": proxy, "other_cpus": others,
+        "pinned": True,
+        "proxy_cpus": proxy,
+        "other_cpus": others,
         "text": f"proxy pinned to CPU {proxy[0]}; nodes and load generator on CPU {','.join(map(str, others))}",
-    }  # fmt: skip
+    }
 
 
 def start_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[Server], Server]:
     # --output-len = max_tokens: every answer has exactly max_tokens tokens, so both sides stream the same.
-    node_flags = ["--model", MODEL, "--ttft", str(args.ttft), "--itl", str(args.itl), "--output-len",
-                  str(args.max_tokens), "--log-level", "warning"]  # fmt: skip
+    node_flags = [
+        "--model",
+        MODEL,
+        "--ttft",
+        str(args.ttft),
+        "--itl",
+        str(args.itl),
+        "--output-len",
+        str(args.max_tokens),
+        "--log-level",
+        "warning",
+    ]
     nodes = [fleet.start(f"node{i}", "vllm_etcd_proxy.sim", node_flags, "/health") for i in range(args.nodes)]
     pool = [f"127.0.0.1:{n.port}" for n in nodes]
     proxy = fleet.start(
@@ -98,10 +114,18 @@ def start_fleet(fleet: Fleet, args: argparse.Namespace) -> tuple[list[Server], S
 
 def workload(args: argparse.Namespace, **changes: Any) -> Workload:
     fields = {
-        "sessions": args.sessions, "concurrency": args.concurrency, "turns": args.turns, "model": MODEL,
-        "max_tokens": args.max_tokens, "system_words": args.system_words, "first_words": args.first_words,
-        "followup_words": args.followup_words, "think": args.think, "ramp": args.ramp, "timeout": 30.0,
-    }  # fmt: skip
+        "sessions": args.sessions,
+        "concurrency": args.concurrency,
+        "turns": args.turns,
+        "model": MODEL,
+        "max_tokens": args.max_tokens,
+        "system_words": args.system_words,
+        "first_words": args.first_words,
+        "followup_words": args.followup_words,
+        "think": args.think,
+        "ramp": args.ramp,
+        "timeout": 30.0,
+    }
     return Workload(**(fields | changes))
 
 
@@ -112,18 +136,29 @@ async def measure(args: argparse.Namespace, nodes: Sequence[Server], proxy: Serv
     for round_no in range(args.rounds):
         for side in ("direct", "proxy") if round_no % 2 == 0 else ("proxy", "direct"):
             # Not counted: opens the proxy's connections to the nodes (the nodes close idle ones after 5 s).
-            warm = workload(args, sessions=args.concurrency, turns=2, ramp=0.0,
-                            first_session=WARMUP_FIRST_SESSION + len(phases) * args.concurrency)  # fmt: skip
+            warm = workload(
+                args,
+                sessions=args.concurrency,
+                turns=2,
+                ramp=0.0,
+                first_session=WARMUP_FIRST_SESSION + len(phases) * args.concurrency,
+            )
             await run_sessions(warm, targets[side], lag_interval=0)
             cpu0 = {s.name: s.cpu() for s in (*nodes, proxy)}
             busy0, total0 = machine_cpu_seconds()
             run = await run_sessions(workload(args), targets[side])
             busy1, total1 = machine_cpu_seconds()
-            phases.append(Phase(
-                side=side, round=round_no, run=run, proxy_cpu=proxy.cpu() - cpu0[proxy.name],
-                node_cpu=sum(n.cpu() - cpu0[n.name] for n in nodes),
-                machine_busy=busy1 - busy0, machine_total=total1 - total0,
-            ))  # fmt: skip
+            phases.append(
+                Phase(
+                    side=side,
+                    round=round_no,
+                    run=run,
+                    proxy_cpu=proxy.cpu() - cpu0[proxy.name],
+                    node_cpu=sum(n.cpu() - cpu0[n.name] for n in nodes),
+                    machine_busy=busy1 - busy0,
+                    machine_total=total1 - total0,
+                )
+            )
     return phases
 
 
@@ -146,7 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_pids": pids,
         "summary": summary,
         "ok": summary["ok"],
-    }  # fmt: skip
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,15 +53,42 @@ def measure(nodes: int, concurrency: int, total: int) -> dict[str, float]:
     try:
         ports = [free_port() for _ in range(nodes)]
         for port in ports:
-            procs.append(subprocess.Popen([sys.executable, "-m", "vllm_etcd_proxy.sim", "--host", HOST,
-                                           "--port", str(port), "--ttft", "0", "--itl", "0",
-                                           "--log-level", "warning"]))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "vllm_etcd_proxy.sim",
+                        "--host",
+                        HOST,
+                        "--port",
+                        str(port),
+                        "--ttft",
+                        "0",
+                        "--itl",
+                        "0",
+                        "--log-level",
+                        "warning",
+                    ]
+                )
+            )
         for port in ports:
             _wait(f"http://{HOST}:{port}/health")
         proxy_port = free_port()
-        argv = [sys.executable, "-m", "vllm_etcd_proxy.proxy", "--host", HOST, "--port", str(proxy_port),
-                "--model", "sim-model", "--log-level", "warning",
-                *(a for p in ports for a in ("--mixed", f"{HOST}:{p}"))]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm_etcd_proxy.proxy",
+            "--host",
+            HOST,
+            "--port",
+            str(proxy_port),
+            "--model",
+            "sim-model",
+            "--log-level",
+            "warning",
+            *(a for p in ports for a in ("--mixed", f"{HOST}:{p}")),
+        ]
         proxy = subprocess.Popen(argv)
         procs.append(proxy)
         _wait(f"http://{HOST}:{proxy_port}/ready")
@@ -87,8 +114,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{args.requests} non-streamed requests at concurrency {args.concurrency}, nodes answer at once")
     for nodes in (1, args.nodes):
         r = measure(nodes, args.concurrency, args.requests)
-        print(f"nodes={r['nodes']:<3.0f} ok={r['ok']:.0f}/{args.requests} req/s={r['req_per_s']:.0f} "
-              f"proxy CPU per request={r['proxy_cpu_ms_per_req']:.2f} ms")  # fmt: skip
+        print(
+            f"nodes={r['nodes']:<3.0f} ok={r['ok']:.0f}/{args.requests} req/s={r['req_per_s']:.0f} "
+            f"proxy CPU per request={r['proxy_cpu_ms_per_req']:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-seconds", type=float, default=2.0, help="idle rate measured over this long (2)")
     add_run_flags(p, QUICK, "a smoke run")
     args = parse_quick(p, argv, QUICK)
-    if min(args.conversations, args.turns, args.nodes, args.system_words, args.user_words, args.max_tokens,
-           args.ingest_requests) < 1 or args.idle_seconds <= 0:  # fmt: skip
+    if (
+        min(
+            args.conversations,
+            args.turns,
+            args.nodes,
+            args.system_words,
+            args.user_words,
+            args.max_tokens,
+            args.ingest_requests,
+        )
+        < 1
+        or args.idle_seconds <= 0
+    ):
         p.error("every count must be at least 1 and --idle-seconds positive")
     return args
 
@@ -130,8 +141,22 @@ class Side:
 
 
 def stacks(fleet: Fleet, args: argparse.Namespace, tokenizer: Path) -> dict[str, Side]:
-    common = ["--model", MODEL, "--ttft", "0", "--itl", "0", "--block-size", str(BLOCK), "--max-model-len", "16384",
-              "--tokenizer", str(tokenizer), "--log-level", "warning"]  # fmt: skip
+    common = [
+        "--model",
+        MODEL,
+        "--ttft",
+        "0",
+        "--itl",
+        "0",
+        "--block-size",
+        str(BLOCK),
+        "--max-model-len",
+        "16384",
+        "--tokenizer",
+        str(tokenizer),
+        "--log-level",
+        "warning",
+    ]
     nodes: dict[str, list[Server]] = {side: [] for side in SIDES}
     kv_flags: list[str] = []
     for i in range(args.nodes):
@@ -139,8 +164,10 @@ def stacks(fleet: Fleet, args: argparse.Namespace, tokenizer: Path) -> dict[str,
             flags = list(common)
             if side == "events_on":
                 events, replay = f"tcp://{HOST}:{fleet.port()}", f"tcp://{HOST}:{fleet.port()}"
-                flags += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events,
-                                                            "replay_endpoint": replay})]  # fmt: skip
+                flags += [
+                    "--kv-events-config",
+                    json.dumps({"enable_kv_cache_events": True, "endpoint": events, "replay_endpoint": replay}),
+                ]
             else:  # a card root that is no tokenizer directory: this replica finds no tokenizer
                 flags += ["--model-root", f"/models/{MODEL}"]
             node = fleet.start(f"{side}-node{i}", "vllm_etcd_proxy.sim", flags, "/health")
@@ -178,8 +205,10 @@ FAMILIES = {"vllm_proxy_kv_routing_decisions_total": "decision ", "vllm_proxy_pr
 def counters(side: Side) -> dict[str, float]:
     """The replica's KV-event counts, routing decisions by reason and tokenizing outcomes."""
     found = samples(side.client, side.replica.url)
-    out = {"events": found.get("vllm_proxy_kv_events_total", 0),
-           "batches": found.get("vllm_proxy_kv_event_batches_total", 0)}  # fmt: skip
+    out = {
+        "events": found.get("vllm_proxy_kv_events_total", 0),
+        "batches": found.get("vllm_proxy_kv_event_batches_total", 0),
+    }
     for name, value in found.items():
         family, brace, labels = name.partition("{")
         if brace and family in FAMILIES:
@@ -197,8 +226,10 @@ def placed(nodes: list[Server]) -> dict[str, Any]:
 async def _direct(url: str, requests: int, seed: int) -> int:
     """``requests`` completions of 1-8 blocks of fresh random token ids, 8 at a time; the blocks sent."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(tokens.FIRST_PROMPT, tokens.VOCAB_SIZE) for _ in range(BLOCK * rng.randint(1, 8))]
-               for _ in range(requests)]  # fmt: skip
+    prompts = [
+        [rng.randrange(tokens.FIRST_PROMPT, tokens.VOCAB_SIZE) for _ in range(BLOCK * rng.randint(1, 8))]
+        for _ in range(requests)
+    ]
     gate = asyncio.Semaphore(8)
     async with httpx.AsyncClient(base_url=url, timeout=30.0) as client:
 
@@ -232,19 +263,28 @@ def ingest(on: Side, off: Side, args: argparse.Namespace) -> dict[str, Any]:
     end = counters(on)
     events, batches = end["events"] - start["events"], end["batches"] - start["batches"]
     net = (c1 - c0) - idle_rate * (t1 - t0)
-    return {"requests": args.ingest_requests, "blocks_stored": blocks, "events": int(events), "batches": int(batches),
-            "seconds": round(t1 - t0, 2), "replica_cpu_ms": round((c1 - c0) / 1e6, 1),
-            "idle_cpu_ms_per_s": round(idle_rate / 1e6, 2), "idle_cpu_ms_per_s_events_off": round(idle_off / 1e6, 2),
-            "ms_per_1000_events": round(net / 1e6 / events * 1000, 2) if events else None,
-            "ms_per_1000_batches": round(net / 1e6 / batches * 1000, 1) if batches else None,
-            "ms_per_1000_blocks_stored": round(net / 1e6 / blocks * 1000, 2)}  # fmt: skip
+    return {
+        "requests": args.ingest_requests,
+        "blocks_stored": blocks,
+        "events": int(events),
+        "batches": int(batches),
+        "seconds": round(t1 - t0, 2),
+        "replica_cpu_ms": round((c1 - c0) / 1e6, 1),
+        "idle_cpu_ms_per_s": round(idle_rate / 1e6, 2),
+        "idle_cpu_ms_per_s_events_off": round(idle_off / 1e6, 2),
+        "ms_per_1000_events": round(net / 1e6 / events * 1000, 2) if events else None,
+        "ms_per_1000_batches": round(net / 1e6 / batches * 1000, 1) if batches else None,
+        "ms_per_1000_blocks_stored": round(net / 1e6 / blocks * 1000, 2),
+    }
 
 
 def quantiles(values: Sequence[int]) -> dict[str, float]:
     """p50 and p90 of ns values, in us."""
     ordered = sorted(values)
-    return {"p50_us": round(statistics.median(ordered) / 1e3, 1),
-            "p90_us": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] / 1e3, 1)}  # fmt: skip
+    return {
+        "p50_us": round(statistics.median(ordered) / 1e3, 1),
+        "p90_us": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] / 1e3, 1),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,24 +300,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for turn in range(args.turns):
                 for side in order:
                     side.chat(chats, c, turn, measured=True)
-        during = {name: {k: v - before[name].get(k, 0) for k, v in counters(side).items()}
-                  for name, side in sides.items()}  # fmt: skip
+        during = {
+            name: {k: v - before[name].get(k, 0) for k, v in counters(side).items()} for name, side in sides.items()
+        }
         where = {name: placed(side.nodes) for name, side in sides.items()}
         ingested = ingest(sides["events_on"], sides["events_off"], args)
         pids = {s.name: s.pid for s in fleet.servers}
-    report: dict[str, Any] = {"ok": True, "code": code_version(), "machine": machine(started, loadavg),
-                              "config": {k: v for k, v in vars(args).items() if k not in ("save", "logs")}}  # fmt: skip
+    report: dict[str, Any] = {
+        "ok": True,
+        "code": code_version(),
+        "machine": machine(started, loadavg),
+        "config": {k: v for k, v in vars(args).items() if k not in ("save", "logs")},
+    }
     requests = args.conversations * args.turns
     for name, side in sides.items():
         every = [ns for per_turn in side.cpu.values() for ns in per_turn]
         report[name] = {
-            "request": quantiles(every), "between": quantiles(side.between),
-            "per_turn": {turn + 1: {**quantiles(ns), "prompt_tokens": max(side.prompt_tokens[turn])}
-                         for turn, ns in sorted(side.cpu.items())},
+            "request": quantiles(every),
+            "between": quantiles(side.between),
+            "per_turn": {
+                turn + 1: {**quantiles(ns), "prompt_tokens": max(side.prompt_tokens[turn])}
+                for turn, ns in sorted(side.cpu.items())
+            },
             "events_per_request": round(during[name].get("events", 0) / requests, 2),
             "counters": {k: int(v) for k, v in during[name].items() if v},
             **where[name],
-        }  # fmt: skip
+        }
     on, off = report["events_on"]["request"], report["events_off"]["request"]
     report["ratio_p50"] = round(on["p50_us"] / off["p50_us"], 2)
     report["added_p50_us"] = round(on["p50_us"] - off["p50_us"], 1)
@@ -289,26 +337,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     cfg, ing = report["config"], report["ingest"]
-    lines = [f"replica CPU per chat request: {cfg['conversations']} conversations x {cfg['turns']} turns per side, "
-             f"serial, {cfg['nodes']} nodes each; code {report['code']}, load average "
-             f"{report['machine']['loadavg_start']} -> {report['machine']['loadavg_end']}",
-             f"{'turn':>6} {'tokens':>7} | {'events on p50':>13} {'p90':>7} | {'events off p50':>14} {'p90':>7} "
-             "(us)"]  # fmt: skip
+    lines = [
+        f"replica CPU per chat request: {cfg['conversations']} conversations x {cfg['turns']} turns per side, "
+        f"serial, {cfg['nodes']} nodes each; code {report['code']}, load average "
+        f"{report['machine']['loadavg_start']} -> {report['machine']['loadavg_end']}",
+        f"{'turn':>6} {'tokens':>7} | {'events on p50':>13} {'p90':>7} | {'events off p50':>14} {'p90':>7} (us)",
+    ]
     on, off = report["events_on"], report["events_off"]
-    rows = [(str(t), str(on["per_turn"][t]["prompt_tokens"]), on["per_turn"][t], off["per_turn"][t])
-            for t in on["per_turn"]]  # fmt: skip
+    rows = [
+        (str(t), str(on["per_turn"][t]["prompt_tokens"]), on["per_turn"][t], off["per_turn"][t]) for t in on["per_turn"]
+    ]
     rows += [("all", "", on["request"], off["request"]), ("betw.", "", on["between"], off["between"])]
     for turn, count, a, b in rows:
         lines.append(f"{turn:>6} {count:>7} | {a['p50_us']:>13} {a['p90_us']:>7} | {b['p50_us']:>14} {b['p90_us']:>7}")
-    lines += [f"events on / off, p50: {report['ratio_p50']}x (+{report['added_p50_us']} us); "
-              f"{on['events_per_request']} events a request; events-on counters {on['counters']}",
-              f"requests per node (warm-up too): events on {on['node_requests']}, off {off['node_requests']}; prefix "
-              f"cache hit rate {on['hit_rate']} / {off['hit_rate']}",
-              f"ingest: {ing['events']} events ({ing['batches']} batches, {ing['blocks_stored']} blocks stored) "
-              f"in {ing['seconds']} s, replica CPU {ing['replica_cpu_ms']} ms (idle {ing['idle_cpu_ms_per_s']} "
-              f"ms/s; events off {ing['idle_cpu_ms_per_s_events_off']}): {ing['ms_per_1000_events']} ms per "
-              f"1,000 events, {ing['ms_per_1000_batches']} per 1,000 batches, {ing['ms_per_1000_blocks_stored']} per "
-              "1,000 blocks stored"]  # fmt: skip
+    lines += [
+        f"events on / off, p50: {report['ratio_p50']}x (+{report['added_p50_us']} us); "
+        f"{on['events_per_request']} events a request; events-on counters {on['counters']}",
+        f"requests per node (warm-up too): events on {on['node_requests']}, off {off['node_requests']}; prefix "
+        f"cache hit rate {on['hit_rate']} / {off['hit_rate']}",
+        f"ingest: {ing['events']} events ({ing['batches']} batches, {ing['blocks_stored']} blocks stored) "
+        f"in {ing['seconds']} s, replica CPU {ing['replica_cpu_ms']} ms (idle {ing['idle_cpu_ms_per_s']} "
+        f"ms/s; events off {ing['idle_cpu_ms_per_s_events_off']}): {ing['ms_per_1000_events']} ms per "
+        f"1,000 events, {ing['ms_per_1000_batches']} per 1,000 batches, {ing['ms_per_1000_blocks_stored']} per "
+        "1,000 blocks stored",
+    ]
     return "\n".join(lines)
 
 

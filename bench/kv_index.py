@@ -78,14 +78,24 @@ def batches(count: int, size: int) -> list[bytes]:
     ids = 0
     for _ in range(count):
         if held and rng.random() < 0.25:
-            events.append({"type": "BlockRemoved", "block_hashes": [held.pop(rng.randrange(len(held)))],
-                           "medium": "GPU"})  # fmt: skip
+            events.append(
+                {"type": "BlockRemoved", "block_hashes": [held.pop(rng.randrange(len(held)))], "medium": "GPU"}
+            )
         else:
             n = rng.randint(1, 8)
             hashes = [rng.getrandbits(64) for _ in range(n)]
-            events.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
-                           "token_ids": list(range(ids, ids + n * size)), "block_size": size, "lora_id": None,
-                           "medium": "GPU", "lora_name": None})  # fmt: skip
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": hashes,
+                    "parent_block_hash": None,
+                    "token_ids": list(range(ids, ids + n * size)),
+                    "block_size": size,
+                    "lora_id": None,
+                    "medium": "GPU",
+                    "lora_name": None,
+                }
+            )
             held += hashes
             ids += n * size
         if len(events) == 4:  # a few events per engine step
@@ -108,8 +118,18 @@ def lookup(size: int) -> float:
     index = KvIndex()
     ids = list(range(2000))
     fill(index, 99, 2000, size)
-    index.apply("holder", [Stored([random.getrandbits(64) for _ in range(len(ids) // size)], None,
-                                  ids[: len(ids) // size * size], size, "")])  # fmt: skip
+    index.apply(
+        "holder",
+        [
+            Stored(
+                [random.getrandbits(64) for _ in range(len(ids) // size)],
+                None,
+                ids[: len(ids) // size * size],
+                size,
+                "",
+            )
+        ],
+    )
     slots = (1 << 100) - 1
     started, rounds = time.process_time(), 200
     for i in range(rounds):
@@ -121,9 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     random.seed(0)
     per_million, used, seconds = memory(args)
-    print(f"memory: {args.nodes} nodes x {args.blocks} blocks = {args.nodes * args.blocks:,} blocks: "
-          f"{used / 2**20:,.0f} MiB, {per_million / 2**20:,.1f} MiB per million blocks "
-          f"({per_million / 1e6:.0f} bytes a block); filled in {seconds:.1f} s CPU")  # fmt: skip
+    print(
+        f"memory: {args.nodes} nodes x {args.blocks} blocks = {args.nodes * args.blocks:,} blocks: "
+        f"{used / 2**20:,.0f} MiB, {per_million / 2**20:,.1f} MiB per million blocks "
+        f"({per_million / 1e6:.0f} bytes a block); filled in {seconds:.1f} s CPU"
+    )
     print(f"cpu: {cpu(args):.2f} ms per 1,000 events decoded and applied (block size {args.block_size})")
     print(f"lookup: {lookup(args.block_size):.0f} us per 2,000-token prompt against 100 nodes")
     return 0

@@ -28,9 +28,13 @@ import httpx
 from bench.procs import die_with_parent, own_cpu_seconds
 
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}  # fmt: skip
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 """What a client running the disaggregated exchange itself sends on the prefill leg (as the proxy does)."""
 CLIENT_MODES = ("per-worker", "shared")
 
@@ -99,8 +103,13 @@ class BadAnswer(Exception):
 
 def completion_body(*, model: str, tokens: int, stream: bool) -> dict[str, Any]:
     """A request for exactly ``tokens`` tokens (``ignore_eos``, a vLLM extension, rules out an early EOS)."""
-    body: dict[str, Any] = {"model": model, "prompt": "The proxy should cost little.", "max_tokens": tokens,
-                            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": "The proxy should cost little.",
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     if stream:
         body["stream"] = True
     return body

@@ -50,8 +50,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--swap-time", type=float, default=0.05, help="seconds a swap adds to TTFT (0.05)")
     p.add_argument("--load-time", type=float, default=0.2, help="seconds a runtime load takes (0.2)")
     p.add_argument("--runs", default=",".join(RUNS), help="which runs, comma-separated")
-    p.add_argument("--proxy-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for the proxy of the on-demand and preloaded runs (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the proxy of the on-demand and preloaded runs (repeatable)",
+    )
     add_run_flags(p, QUICK, "a short run")
     return parse_quick(p, argv, QUICK)
 
@@ -64,8 +69,13 @@ def pick(rng: random.Random, args: argparse.Namespace) -> str:
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> float | None:
     """TTFT in seconds of one streamed completion, None when it failed."""
-    body = {"model": model, "prompt": f"request {i} for {model}", "max_tokens": tokens, "stream": True,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": f"request {i} for {model}",
+        "max_tokens": tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     started = time.monotonic()
     first: float | None = None
     try:
@@ -124,9 +134,23 @@ def _wait_listed(url: str, args: argparse.Namespace, timeout: float = 30.0) -> N
 
 def run_one(name: str, args: argparse.Namespace, logs: Any) -> dict[str, Any]:
     preload = name != "on-demand"
-    node_flags = ["--model", MODEL, "--enable-lora", "--max-loras", str(args.max_loras), "--lora-swap-time",
-                  str(args.swap_time), "--lora-load-time", str(args.load_time), "--ttft", "0.02", "--itl", "0.01",
-                  "--log-level", "warning"]  # fmt: skip
+    node_flags = [
+        "--model",
+        MODEL,
+        "--enable-lora",
+        "--max-loras",
+        str(args.max_loras),
+        "--lora-swap-time",
+        str(args.swap_time),
+        "--lora-load-time",
+        str(args.load_time),
+        "--ttft",
+        "0.02",
+        "--itl",
+        "0.01",
+        "--log-level",
+        "warning",
+    ]
     if preload:
         node_flags += ["--lora-modules", *(f"lora{i}=/loras/lora{i}" for i in range(args.adapters))]
     proxy_flags = ["--scrape-load", "0" if name == "round-robin" else "0.1", "--log-level", "warning"]
@@ -136,8 +160,9 @@ def run_one(name: str, args: argparse.Namespace, logs: Any) -> dict[str, Any]:
         proxy_flags += args.proxy_arg
     with Fleet(logs / name if logs else None) as fleet:
         peer = fleet.port()
-        etcd = fleet.start("etcd", "", [], "/health",
-                           command=lambda port: etcd_command(fleet.log_dir / "etcd-data", port, peer))  # fmt: skip
+        etcd = fleet.start(
+            "etcd", "", [], "/health", command=lambda port: etcd_command(fleet.log_dir / "etcd-data", port, peer)
+        )
         nodes = [fleet.start(f"node{i}", "vllm_etcd_proxy.sim", node_flags, "/health") for i in range(args.nodes)]
         fleet.wait_ready()
         asyncio.run(_register(etcd.url, args, [n.port for n in nodes]))
@@ -149,16 +174,36 @@ def run_one(name: str, args: argparse.Namespace, logs: Any) -> dict[str, Any]:
         elapsed = time.monotonic() - started
         counters = [httpx.get(f"{n.url}/sim/requests", timeout=10.0).json()["counters"] for n in nodes]
     swaps, loads = sum(c.get("lora_swaps", 0) for c in counters), sum(c.get("lora_loads", 0) for c in counters)
-    return {"run": name, "requests": args.requests, "failed": failed, "seconds": round(elapsed, 2),
-            "ttft_ms": percentiles_ms(ttfts), "swaps": swaps, "swaps_per_1000": round(1000 * swaps / args.requests, 1),
-            "loads": loads, "per_node": [c.get("completed", 0) for c in counters]}  # fmt: skip
+    return {
+        "run": name,
+        "requests": args.requests,
+        "failed": failed,
+        "seconds": round(elapsed, 2),
+        "ttft_ms": percentiles_ms(ttfts),
+        "swaps": swaps,
+        "swaps_per_1000": round(1000 * swaps / args.requests, 1),
+        "loads": loads,
+        "per_node": [c.get("completed", 0) for c in counters],
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "true"  # the nodes' runtime load routes (as in vLLM)
     runs = [run_one(name, args, args.logs) for name in args.runs.split(",")]
-    config = {k: getattr(args, k) for k in ("nodes", "adapters", "max_loras", "hot", "requests", "concurrency",
-                                            "max_tokens", "swap_time", "load_time")}  # fmt: skip
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "nodes",
+            "adapters",
+            "max_loras",
+            "hot",
+            "requests",
+            "concurrency",
+            "max_tokens",
+            "swap_time",
+            "load_time",
+        )
+    }
     return {"ok": all(r["failed"] == 0 for r in runs), "code": code_version(), "config": config, "runs": runs}
 
 
@@ -171,8 +216,10 @@ def render(report: dict[str, Any]) -> str:
     ]
     for r in report["runs"]:
         t = r["ttft_ms"]
-        lines.append(f"{r['run']:<12} {r['failed']:>6} {t.get('p50') or 0:>12.1f} {t.get('p99') or 0:>12.1f} "
-                     f"{r['swaps_per_1000']:>11.1f} {r['loads']:>6}")  # fmt: skip
+        lines.append(
+            f"{r['run']:<12} {r['failed']:>6} {t.get('p50') or 0:>12.1f} {t.get('p99') or 0:>12.1f} "
+            f"{r['swaps_per_1000']:>11.1f} {r['loads']:>6}"
+        )
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """A do-nothing OTLP/HTTP receiver for benchmarks of a replica with tracing on: reads each POST, answers 200.
 
-    .venv/bin/python -m bench.otlp_sink 43181 &       # then --otlp-traces-endpoint http://127.0.0.1:43181
+.venv/bin/python -m bench.otlp_sink 43181 &       # then --otlp-traces-endpoint http://127.0.0.1:43181
 """
 
 from __future__ import annotations

@@ -72,17 +72,28 @@ class Server:
     """``python -m MODULE ARGS`` listening on 127.0.0.1:``port`` (or ``command``, which must listen there
     itself); output goes to a log file."""
 
-    def __init__(self, name: str, module: str, port: int, args: Sequence[str], log_dir: Path,
-                 command: Sequence[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        port: int,
+        args: Sequence[str],
+        log_dir: Path,
+        command: Sequence[str] | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.log_path = log_dir / f"{name}.log"
         argv = list(command) if command else [sys.executable, "-m", module, "--host", HOST, "--port", str(port), *args]
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
 
     @property
     def url(self) -> str:
@@ -148,8 +159,15 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         self._ports.add(port)
         return port
 
-    def start(self, name: str, module: str, args: Sequence[str], ready_path: str, *,
-              command: Callable[[int], Sequence[str]] | None = None) -> Server:  # fmt: skip
+    def start(
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        ready_path: str,
+        *,
+        command: Callable[[int], Sequence[str]] | None = None,
+    ) -> Server:
         """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready).
         ``command(port)``, when given, is the whole command line instead of ``python -m module``."""
         port = self.port()
@@ -175,10 +193,17 @@ def code_version() -> str:
     """The commit the servers run from, with "+dirty" when proxy/ or sim/ have uncommitted changes."""
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "proxy", "sim"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "proxy", "sim"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
@@ -194,8 +219,9 @@ def add_run_flags(parser: argparse.ArgumentParser, quick: Mapping[str, object], 
     add("--logs", type=Path, help="keep the servers' logs in this directory")
 
 
-def parse_quick(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
-                quick: Mapping[str, object]) -> argparse.Namespace:  # fmt: skip
+def parse_quick(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None, quick: Mapping[str, object]
+) -> argparse.Namespace:
     """Parse ``argv``; with --quick, ``quick``'s values replace the ones given."""
     args = parser.parse_args(argv)
     if args.quick:
@@ -208,8 +234,13 @@ def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the benchmark's with-blocks, which stop the servers
 
 
-def report_and_exit_status(run: Callable[[], dict[str, object]], render: Callable[[dict[str, object]], str], *,
-                           as_json: bool, save: Path | None = None) -> int:  # fmt: skip
+def report_and_exit_status(
+    run: Callable[[], dict[str, object]],
+    render: Callable[[dict[str, object]], str],
+    *,
+    as_json: bool,
+    save: Path | None = None,
+) -> int:
     """Run a benchmark (SIGTERM stops it cleanly), print its report as a table or JSON, optionally save the
     JSON; the exit status is 1 when a request failed."""
     signal.signal(signal.SIGTERM, _terminate)
@@ -223,6 +254,10 @@ def report_and_exit_status(run: Callable[[], dict[str, object]], render: Callabl
 def machine(started: str, loadavg_start: str) -> dict[str, object]:
     """What a report says about the machine a run had: CPUs, Python, kernel, date, load before and after."""
     return {
-        "cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(), "date": started,
-        "loadavg_start": loadavg_start, "loadavg_end": Path("/proc/loadavg").read_text().split()[0],
-    }  # fmt: skip
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "date": started,
+        "loadavg_start": loadavg_start,
+        "loadavg_end": Path("/proc/loadavg").read_text().split()[0],
+    }

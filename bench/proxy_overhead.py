@@ -35,8 +35,14 @@ from bench.procs import (
 from bench.report import Scenario, Totals, all_succeeded, headline, render, scenario_summary
 
 MODEL = "sim-model"
-QUICK = {"requests": 200, "concurrency": 8, "stream_requests": 40, "stream_tokens": 16, "serial_requests": 40,
-         "rounds": 1}  # fmt: skip
+QUICK = {
+    "requests": 200,
+    "concurrency": 8,
+    "stream_requests": 40,
+    "stream_tokens": 16,
+    "serial_requests": 40,
+    "rounds": 1,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,20 +63,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--tokens", type=int, default=16, help="max_tokens of non-streamed requests (default 16)")
     add("--stream-requests", type=int, default=500, help="streamed requests per phase (default 500)")
     add("--stream-tokens", type=int, default=64, help="tokens (SSE events) per streamed request (default 64)")
-    add("--serial-requests", type=int, default=300, help="non-streamed requests at concurrency 1, to see the "
-        "latency the proxy adds without queueing (default 300; 0 skips)")  # fmt: skip
+    add(
+        "--serial-requests",
+        type=int,
+        default=300,
+        help="non-streamed requests at concurrency 1, to see the "
+        "latency the proxy adds without queueing (default 300; 0 skips)",
+    )
     add("--rounds", type=int, default=2, help="direct/proxy pairs per scenario, in ABBA order (default 2)")
     add("--no-disagg", action="store_true", help="skip the prefill+decode scenarios")
     add("--processes", type=int, default=1, help="load generator processes (default 1)")
-    add("--clients", choices=CLIENT_MODES, default="per-worker",
-        help="one httpx client per worker (default) or one shared by all (costs more generator CPU)")  # fmt: skip
+    add(
+        "--clients",
+        choices=CLIENT_MODES,
+        default="per-worker",
+        help="one httpx client per worker (default) or one shared by all (costs more generator CPU)",
+    )
     add("--itl", type=float, default=0.0, help="the node's seconds between tokens (default 0)")
-    add("--phase-timeout", type=float, default=120.0, help="seconds per phase before the unfinished requests count "
-        "as failed (default 120)")  # fmt: skip
+    add(
+        "--phase-timeout",
+        type=float,
+        default=120.0,
+        help="seconds per phase before the unfinished requests count as failed (default 120)",
+    )
     add_run_flags(p, QUICK, "small numbers for a smoke test")
     args = parse_quick(p, argv, QUICK)
-    counts = (args.requests, args.concurrency, args.tokens, args.stream_requests, args.stream_tokens, args.rounds,
-              args.processes)  # fmt: skip
+    counts = (
+        args.requests,
+        args.concurrency,
+        args.tokens,
+        args.stream_requests,
+        args.stream_tokens,
+        args.rounds,
+        args.processes,
+    )
     if min(counts) < 1 or args.serial_requests < 0 or args.processes > args.concurrency:
         p.error("counts must be >= 1 (--serial-requests >= 0) and --processes <= --concurrency")
     return args
@@ -79,33 +105,83 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     c = args.concurrency
     found = [
-        Scenario(key="plain", title=f"non-streamed x{args.tokens}", topology="mixed", stream=False,
-                 tokens=args.tokens, requests=args.requests, concurrency=c),
-        Scenario(key="stream", title=f"streamed x{args.stream_tokens}", topology="mixed", stream=True,
-                 tokens=args.stream_tokens, requests=args.stream_requests, concurrency=c),
-    ]  # fmt: skip
+        Scenario(
+            key="plain",
+            title=f"non-streamed x{args.tokens}",
+            topology="mixed",
+            stream=False,
+            tokens=args.tokens,
+            requests=args.requests,
+            concurrency=c,
+        ),
+        Scenario(
+            key="stream",
+            title=f"streamed x{args.stream_tokens}",
+            topology="mixed",
+            stream=True,
+            tokens=args.stream_tokens,
+            requests=args.stream_requests,
+            concurrency=c,
+        ),
+    ]
     if args.serial_requests:
-        found.append(Scenario(key="serial", title=f"one at a time x{args.tokens}", topology="mixed", stream=False,
-                              tokens=args.tokens, requests=args.serial_requests, concurrency=1))  # fmt: skip
+        found.append(
+            Scenario(
+                key="serial",
+                title=f"one at a time x{args.tokens}",
+                topology="mixed",
+                stream=False,
+                tokens=args.tokens,
+                requests=args.serial_requests,
+                concurrency=1,
+            )
+        )
     if not args.no_disagg:
         found += [
-            Scenario(key="disagg-plain", title=f"disagg non-str. x{args.tokens}", topology="disagg", stream=False,
-                     tokens=args.tokens, requests=args.requests // 2, concurrency=c),
-            Scenario(key="disagg-stream", title=f"disagg streamed x{args.stream_tokens}", topology="disagg",
-                     stream=True, tokens=args.stream_tokens, requests=args.stream_requests, concurrency=c),
-        ]  # fmt: skip
+            Scenario(
+                key="disagg-plain",
+                title=f"disagg non-str. x{args.tokens}",
+                topology="disagg",
+                stream=False,
+                tokens=args.tokens,
+                requests=args.requests // 2,
+                concurrency=c,
+            ),
+            Scenario(
+                key="disagg-stream",
+                title=f"disagg streamed x{args.stream_tokens}",
+                topology="disagg",
+                stream=True,
+                tokens=args.stream_tokens,
+                requests=args.stream_requests,
+                concurrency=c,
+            ),
+        ]
     return found
 
 
 def start_fleet(fleet: Fleet, args: argparse.Namespace) -> dict[str, Topology]:
-    node_flags = ["--model", MODEL, "--ttft", "0", "--itl", str(args.itl), "--max-num-seqs", "1024",
-                  "--log-level", "warning"]  # fmt: skip
+    node_flags = [
+        "--model",
+        MODEL,
+        "--ttft",
+        "0",
+        "--itl",
+        str(args.itl),
+        "--max-num-seqs",
+        "1024",
+        "--log-level",
+        "warning",
+    ]
     proxy_flags = ["--model", MODEL, "--log-level", "warning"]
     node = fleet.start("node", "vllm_etcd_proxy.sim", node_flags, "/health")
     proxy = fleet.start("proxy", "vllm_etcd_proxy.proxy", ["--mixed", f"127.0.0.1:{node.port}", *proxy_flags], "/ready")
     path = "/v1/completions"
-    topologies = {"mixed": Topology(direct=Target(url=node.url + path), proxied=Target(url=proxy.url + path),
-                                    proxy=proxy, nodes=(node,))}  # fmt: skip
+    topologies = {
+        "mixed": Topology(
+            direct=Target(url=node.url + path), proxied=Target(url=proxy.url + path), proxy=proxy, nodes=(node,)
+        )
+    }
     if not args.no_disagg:
         prefill = fleet.start("prefill", "vllm_etcd_proxy.sim", ["--role", "prefill", *node_flags], "/health")
         decode = fleet.start("decode", "vllm_etcd_proxy.sim", ["--role", "decode", *node_flags], "/health")
@@ -113,8 +189,10 @@ def start_fleet(fleet: Fleet, args: argparse.Namespace) -> dict[str, Topology]:
         pd_proxy = fleet.start("proxy-disagg", "vllm_etcd_proxy.proxy", pd_flags, "/ready")
         topologies["disagg"] = Topology(
             direct=Target(url=decode.url + path, prefill_url=prefill.url + path),
-            proxied=Target(url=pd_proxy.url + path), proxy=pd_proxy, nodes=(prefill, decode),
-        )  # fmt: skip
+            proxied=Target(url=pd_proxy.url + path),
+            proxy=pd_proxy,
+            nodes=(prefill, decode),
+        )
     fleet.wait_ready()
     return topologies
 
@@ -135,8 +213,9 @@ class Snapshot:
         self.busy, self.total = machine_cpu_seconds()
 
 
-def measure(generator: Generator, phase: Phase, topology: Topology, servers: Sequence[Server],
-            proxied: bool) -> tuple[Result, dict[str, Any]]:  # fmt: skip
+def measure(
+    generator: Generator, phase: Phase, topology: Topology, servers: Sequence[Server], proxied: bool
+) -> tuple[Result, dict[str, Any]]:
     marks: dict[str, Any] = {}
 
     def on_start() -> None:
@@ -171,9 +250,12 @@ def run_scenario(
             phase = Phase(
                 target=topology.proxied if proxied else topology.direct,
                 body=completion_body(model=MODEL, tokens=scenario.tokens, stream=scenario.stream),
-                requests=scenario.requests, concurrency=scenario.concurrency, clients=args.clients,
-                warmup=2 * scenario.concurrency, timeout=args.phase_timeout,
-            )  # fmt: skip
+                requests=scenario.requests,
+                concurrency=scenario.concurrency,
+                clients=args.clients,
+                warmup=2 * scenario.concurrency,
+                timeout=args.phase_timeout,
+            )
             result, figures = measure(generator, phase, topology, fleet.servers, proxied)
             totals[proxied].add(result, **figures)
     return scenario_summary(scenario, totals[False], totals[True])
@@ -203,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "scenarios": summaries,
         "headline": headline(summaries),
         "ok": all_succeeded(summaries),
-    }  # fmt: skip
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

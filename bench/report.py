@@ -40,8 +40,17 @@ class Totals:
     relayed_chunks: int = 0
     """Body chunks the proxy wrote to clients (its vllm_proxy_stream_chunks counter)."""
 
-    def add(self, result: Result, *, proxy_cpu: float, node_cpu: float, other_cpu: float, busy: float,
-            total: float, relayed: int) -> None:  # fmt: skip
+    def add(
+        self,
+        result: Result,
+        *,
+        proxy_cpu: float,
+        node_cpu: float,
+        other_cpu: float,
+        busy: float,
+        total: float,
+        relayed: int,
+    ) -> None:
         self.result.merge(result)
         self.wall += result.wall
         self.proxy_cpu += proxy_cpu
@@ -102,15 +111,21 @@ def scenario_summary(scenario: Scenario, direct: Totals, proxy: Totals) -> dict[
     key = "ttft_ms" if scenario.stream else "latency_ms"
     ok = proxy.result.ok
     summary: dict[str, Any] = {
-        "key": scenario.key, "title": scenario.title, "topology": scenario.topology, "stream": scenario.stream,
-        "tokens": scenario.tokens, "requests": scenario.requests, "concurrency": scenario.concurrency,
-        "direct": d, "proxy": p,
+        "key": scenario.key,
+        "title": scenario.title,
+        "topology": scenario.topology,
+        "stream": scenario.stream,
+        "tokens": scenario.tokens,
+        "requests": scenario.requests,
+        "concurrency": scenario.concurrency,
+        "direct": d,
+        "proxy": p,
         "throughput_ratio": p["throughput_rps"] / d["throughput_rps"] if d["throughput_rps"] else None,
         "added_ms": _added(d[key], p[key]),
         "added_ms_of": "ttft" if scenario.stream else "latency",
         "proxy_cpu_s_per_1000_requests": _per_1000(proxy.proxy_cpu, ok),
         "proxy_cpu_s_per_1000_chunks": _per_1000(proxy.proxy_cpu, proxy.result.events),
-    }  # fmt: skip
+    }
     return summary
 
 
@@ -132,8 +147,11 @@ def headline(scenarios: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if stream and per_request is not None and stream["proxy"]["events"]:
         p = stream["proxy"]
         marginal = (p["cpu_s"]["proxy"] - per_request * p["ok"] / 1000) / p["events"] * 1000
-    return {"proxy_cpu_s_per_1000_requests": per_request, "proxy_cpu_s_per_1000_chunks": per_chunk,
-            "proxy_cpu_s_per_1000_chunks_marginal": marginal}  # fmt: skip
+    return {
+        "proxy_cpu_s_per_1000_requests": per_request,
+        "proxy_cpu_s_per_1000_chunks": per_chunk,
+        "proxy_cpu_s_per_1000_chunks_marginal": marginal,
+    }
 
 
 def _f(value: float | None, spec: str = ".1f", sign: bool = False) -> str:

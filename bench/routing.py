@@ -40,7 +40,7 @@ from bench.sessions import (
     run_sessions,
     with_request_ids,
     with_session_header,
-)  # fmt: skip
+)
 
 QUICK = {"sessions": 16, "turns": 3, "concurrency": 8}
 SCENARIOS = "chat-short,chat-long,completions,slow-node,pd"
@@ -55,8 +55,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--scenarios", help=f"comma-separated, in this order (default {SCENARIOS}; with --quick {QUICK_SCENARIOS})")
-    add("--router", action="append", default=[], metavar="NAME", help="only the rows whose name (as printed, "
-        "with R=) starts with this; repeatable")  # fmt: skip
+    add(
+        "--router",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only the rows whose name (as printed, with R=) starts with this; repeatable",
+    )
     add("--sessions", type=int, default=64, help="sessions per run (default 64)")
     add("--turns", type=int, default=6, help="turns per session (default 6)")
     add("--concurrency", type=int, default=16, help="sessions running at once (default 16)")
@@ -66,8 +71,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--ttft", type=float, default=0.01, help="the nodes' seconds to the first token, all cached (0.01)")
     add("--prefill-per-token", type=float, default=0.0002, help="seconds per uncached prompt token (0.0002)")
     add("--itl", type=float, default=0.005, help="seconds between tokens (0.005)")
-    add("--batch-slowdown", type=float, default=0.0, help="each other running sequence on a node makes its steps "
-        "this fraction longer (0: a node is as fast under load as idle)")  # fmt: skip
+    add(
+        "--batch-slowdown",
+        type=float,
+        default=0.0,
+        help="each other running sequence on a node makes its steps "
+        "this fraction longer (0: a node is as fast under load as idle)",
+    )
     add("--max-tokens", type=int, default=32, help="tokens per answer (32)")
     add("--think", type=float, default=0.0, help="least seconds between an answer and the next turn (0)")
     add("--think-jitter", type=float, default=0.05, help="plus up to this many seconds, seeded per turn (0.05)")
@@ -77,12 +87,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--pd-first-words", type=int, default=300, help="the same in the P/D scenario (300)")
     add("--followup-words", type=int, default=15, help="words of each later user message (15)")
     add("--block-size", type=int, default=16, help="tokens per KV block (16)")
-    add("--cache-blocks", type=int, default=0, help="prefix cache per node, in blocks (default 0: per scenario, "
-        "the shared preamble plus twice a node's fair share of the running sessions; see routing_plan.py)")  # fmt: skip
+    add(
+        "--cache-blocks",
+        type=int,
+        default=0,
+        help="prefix cache per node, in blocks (default 0: per scenario, "
+        "the shared preamble plus twice a node's fair share of the running sessions; see routing_plan.py)",
+    )
     add("--slow-factor", type=float, default=3.0, help="how much slower the slow node is (3)")
     add("--vllm-router", type=Path, default=DEFAULT_VLLM_ROUTER, help=f"the binary (default {DEFAULT_VLLM_ROUTER})")
-    add("--scrape-load", type=float, default=0.25, help="the replicas' --scrape-load (0.25; vllm-proxy's own "
-        "default is 0.5)")  # fmt: skip
+    add(
+        "--scrape-load",
+        type=float,
+        default=0.25,
+        help="the replicas' --scrape-load (0.25; vllm-proxy's own default is 0.5)",
+    )
     add("--seed", type=int, default=0)
     add("--no-pin", action="store_true", help="leave CPU placement to the scheduler")
     add_run_flags(p, QUICK, "a smoke run: a few routers")
@@ -99,9 +118,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def plan(args: argparse.Namespace) -> list[Scenario]:
-    every = scenarios(proxy_replicas=args.replicas, router_replicas=args.router_replicas,
-                      short_words=args.short_words, long_words=args.long_words, pd_first_words=args.pd_first_words,
-                      slow_factor=args.slow_factor, quick=args.quick)  # fmt: skip
+    every = scenarios(
+        proxy_replicas=args.replicas,
+        router_replicas=args.router_replicas,
+        short_words=args.short_words,
+        long_words=args.long_words,
+        pd_first_words=args.pd_first_words,
+        slow_factor=args.slow_factor,
+        quick=args.quick,
+    )
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in every]
     if unknown:
@@ -118,8 +143,9 @@ def plan(args: argparse.Namespace) -> list[Scenario]:
         chosen = [Scenario(**{**vars(s), "routers": tuple(r for r in s.routers if r.name in wanted)}) for s in chosen]
     if not args.vllm_router.exists():
         print(f"vllm-router not found at {args.vllm_router}: its rows are skipped", file=sys.stderr)
-        chosen = [Scenario(**{**vars(s), "routers": tuple(r for r in s.routers if r.kind != "vllm-router")})
-                  for s in chosen]  # fmt: skip
+        chosen = [
+            Scenario(**{**vars(s), "routers": tuple(r for r in s.routers if r.kind != "vllm-router")}) for s in chosen
+        ]
     return [s for s in chosen if s.routers]
 
 
@@ -127,15 +153,26 @@ def workload(args: argparse.Namespace, scenario: Scenario) -> Workload:
     # One turn's duration spreads the first sessions' starts (see Workload.ramp).
     ramp = args.ttft + args.max_tokens * args.itl
     return Workload(
-        sessions=args.sessions, concurrency=args.concurrency, turns=args.turns, max_tokens=args.max_tokens,
-        system_words=scenario.system_words, first_words=scenario.first_words, followup_words=args.followup_words,
-        think=args.think, think_jitter=args.think_jitter, ramp=ramp, api=scenario.api, timeout=30.0, seed=args.seed,
-    )  # fmt: skip
+        sessions=args.sessions,
+        concurrency=args.concurrency,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        system_words=scenario.system_words,
+        first_words=scenario.first_words,
+        followup_words=args.followup_words,
+        think=args.think,
+        think_jitter=args.think_jitter,
+        ramp=ramp,
+        api=scenario.api,
+        timeout=30.0,
+        seed=args.seed,
+    )
 
 
 def node_specs(args: argparse.Namespace, scenario: Scenario) -> list[NodeSpec]:
-    healthy = NodeTimings(ttft=args.ttft, itl=args.itl, prefill_per_token=args.prefill_per_token,
-                          batch_slowdown=args.batch_slowdown)
+    healthy = NodeTimings(
+        ttft=args.ttft, itl=args.itl, prefill_per_token=args.prefill_per_token, batch_slowdown=args.batch_slowdown
+    )
     roles = ["prefill", "decode"] if scenario.pd else ["mixed"]
     per_role = args.nodes // len(roles)
     specs = [NodeSpec(name=f"{role}{i}", role=role, timings=healthy) for role in roles for i in range(per_role)]
@@ -148,10 +185,16 @@ def node_specs(args: argparse.Namespace, scenario: Scenario) -> list[NodeSpec]:
 def scenario_cache_blocks(args: argparse.Namespace, scenario: Scenario) -> int:
     if args.cache_blocks:
         return int(args.cache_blocks)
-    return cache_blocks(system_words=scenario.system_words, first_words=scenario.first_words,
-                        followup_words=args.followup_words, max_tokens=args.max_tokens, turns=args.turns,
-                        concurrency=args.concurrency, nodes=args.nodes // (2 if scenario.pd else 1),
-                        block_size=args.block_size)  # fmt: skip
+    return cache_blocks(
+        system_words=scenario.system_words,
+        first_words=scenario.first_words,
+        followup_words=args.followup_words,
+        max_tokens=args.max_tokens,
+        turns=args.turns,
+        concurrency=args.concurrency,
+        nodes=args.nodes // (2 if scenario.pd else 1),
+        block_size=args.block_size,
+    )
 
 
 def by_turn(urls: Sequence[str]) -> Target:
@@ -181,17 +224,30 @@ async def sampled(workload: Workload, target: Target, nodes: Sequence[tuple[str,
             await sampler
 
 
-def measure(args: argparse.Namespace, scenario: Scenario, router: Router, tag: str, where: dict[str, Any],
-            pids: dict[str, int]) -> Outcome:  # fmt: skip
+def measure(
+    args: argparse.Namespace, scenario: Scenario, router: Router, tag: str, where: dict[str, Any], pids: dict[str, int]
+) -> Outcome:
     specs = node_specs(args, scenario)
     blocks = scenario_cache_blocks(args, scenario)
-    frontend = Frontend(kind=router.kind if router.kind in ("proxy", "vllm-router") else "direct",
-                        policy=router.policy, replicas=router.replicas, extra=router.extra)  # fmt: skip
+    frontend = Frontend(
+        kind=router.kind if router.kind in ("proxy", "vllm-router") else "direct",
+        policy=router.policy,
+        replicas=router.replicas,
+        extra=router.extra,
+    )
     logs = args.logs / tag if args.logs else None
     proxy_cpus = set(where["proxy_cpus"]) if where["pinned"] else None
-    with Stack(specs, frontend, cache_blocks=blocks, block_size=args.block_size, output_len=args.max_tokens,
-               proxy_cpus=proxy_cpus, vllm_router=args.vllm_router, logs=logs,
-               scrape_load=args.scrape_load) as stack:  # fmt: skip
+    with Stack(
+        specs,
+        frontend,
+        cache_blocks=blocks,
+        block_size=args.block_size,
+        output_len=args.max_tokens,
+        proxy_cpus=proxy_cpus,
+        vllm_router=args.vllm_router,
+        logs=logs,
+        scrape_load=args.scrape_load,
+    ) as stack:
         pids.update({f"{tag}/{name}": pid for name, pid in stack.pids.items()})
         cpu0 = stack.cpu()
         target = with_request_ids(target_for(router, stack), tag)
@@ -199,9 +255,18 @@ def measure(args: argparse.Namespace, scenario: Scenario, router: Router, tag: s
         cpu1 = stack.cpu()
         nodes = stack.node_reports()
     slow = specs[-1].name if scenario.slow_factor != 1.0 else None
-    return Outcome(scenario=scenario.name, router=router.label, kind=router.kind, replicas=router.replicas, tag=tag,
-                   run=run, nodes=nodes, cpu={k: cpu1[k] - cpu0[k] for k in cpu0}, load=samples,
-                   slow_node=slow)  # fmt: skip
+    return Outcome(
+        scenario=scenario.name,
+        router=router.label,
+        kind=router.kind,
+        replicas=router.replicas,
+        tag=tag,
+        run=run,
+        nodes=nodes,
+        cpu={k: cpu1[k] - cpu0[k] for k in cpu0},
+        load=samples,
+        slow_node=slow,
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -219,14 +284,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             outcome = measure(args, scenario, router, tag, where, pids)
             row = summarise(outcome)
             rows.append(row)
-            print(f"[{scenario.name}] {router.name}: {row['ok']}/{row['requests']} ok, hit rate "
-                  f"{row['hit_rate'] or 0:.3f}, TTFT p50 {row['ttft_ms']['p50'] or 0:.1f} ms, "
-                  f"{row['wall_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[{scenario.name}] {router.name}: {row['ok']}/{row['requests']} ok, hit rate "
+                f"{row['hit_rate'] or 0:.3f}, TTFT p50 {row['ttft_ms']['p50'] or 0:.1f} ms, "
+                f"{row['wall_s']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         healthy: list[dict[str, Any]] = next((s["rows"] for s in results if s["name"] == scenario.baseline), [])
-        results.append({
-            "name": scenario.name, "description": f"{scenario.description}; prefix cache {blocks} blocks per node",
-            "cache_blocks": blocks, "rows": rows, "targets": judge(rows, healthy),
-        })  # fmt: skip
+        results.append(
+            {
+                "name": scenario.name,
+                "description": f"{scenario.description}; prefix cache {blocks} blocks per node",
+                "cache_blocks": blocks,
+                "rows": rows,
+                "targets": judge(rows, healthy),
+            }
+        )
     failed = sum(r["failed"] for s in results for r in s["rows"])
     return {
         "machine": machine(started_at, loadavg_start),
@@ -237,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "server_pids": pids,
         "wall_s": time.monotonic() - started,
         "ok": failed == 0 and all(r["ok"] > 0 for s in results for r in s["rows"]),
-    }  # fmt: skip
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,9 +40,12 @@ class NodeTimings:
     """Each other running sequence makes a step this fraction longer (vllm-sim --batch-slowdown)."""
 
     def scaled(self, factor: float) -> NodeTimings:
-        return NodeTimings(ttft=self.ttft * factor, itl=self.itl * factor,
-                           prefill_per_token=self.prefill_per_token * factor,
-                           batch_slowdown=self.batch_slowdown)  # fmt: skip
+        return NodeTimings(
+            ttft=self.ttft * factor,
+            itl=self.itl * factor,
+            prefill_per_token=self.prefill_per_token * factor,
+            batch_slowdown=self.batch_slowdown,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +89,11 @@ async def sample_load(nodes: Sequence[tuple[str, str]], into: list[LoadSample], 
             with contextlib.suppress(httpx.HTTPError):
                 found = read_node_load((await client.get(url + "/metrics")).content)
                 if found is not None:
-                    into.append(LoadSample(at=time.perf_counter(), node=name, running=found[0], waiting=found[1],
-                                           kv_usage=found[2]))  # fmt: skip
+                    into.append(
+                        LoadSample(
+                            at=time.perf_counter(), node=name, running=found[0], waiting=found[1], kv_usage=found[2]
+                        )
+                    )
 
         while True:
             await asyncio.gather(*(one(name, url) for name, url in nodes))
@@ -103,9 +109,13 @@ class Command(Server):
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent, env={**os.environ, "RUST_LOG_STYLE": "never", "NO_COLOR": "1"},
-            )  # fmt: skip
+                list(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+                env={**os.environ, "RUST_LOG_STYLE": "never", "NO_COLOR": "1"},
+            )
 
 
 @dataclass(kw_only=True)
@@ -125,21 +135,49 @@ class NodeReport:
 def node_flags(spec: NodeSpec, *, cache_blocks: int, block_size: int, output_len: int) -> list[str]:
     t = spec.timings
     return [
-        "--model", MODEL, "--node-id", spec.name, "--role", spec.role, "--ttft", f"{t.ttft:g}", "--itl", f"{t.itl:g}",
-        "--prefill-per-token", f"{t.prefill_per_token:g}", "--batch-slowdown", f"{t.batch_slowdown:g}",
-        "--cache-blocks", str(cache_blocks),
-        "--block-size", str(block_size), "--output-len", str(output_len), "--max-model-len", "16384",
-        "--log-level", "warning",
-    ]  # fmt: skip
+        "--model",
+        MODEL,
+        "--node-id",
+        spec.name,
+        "--role",
+        spec.role,
+        "--ttft",
+        f"{t.ttft:g}",
+        "--itl",
+        f"{t.itl:g}",
+        "--prefill-per-token",
+        f"{t.prefill_per_token:g}",
+        "--batch-slowdown",
+        f"{t.batch_slowdown:g}",
+        "--cache-blocks",
+        str(cache_blocks),
+        "--block-size",
+        str(block_size),
+        "--output-len",
+        str(output_len),
+        "--max-model-len",
+        "16384",
+        "--log-level",
+        "warning",
+    ]
 
 
 class Stack(contextlib.AbstractContextManager["Stack"]):
     """Nodes plus a frontend, started and ready on entry, all stopped on exit."""
 
     def __init__(
-        self, nodes: Sequence[NodeSpec], frontend: Frontend, *, cache_blocks: int, block_size: int,
-        output_len: int, proxy_cpus: set[int] | None, vllm_router: Path, logs: Path | None, scrape_load: float = 0.25,
-    ) -> None:  # fmt: skip
+        self,
+        nodes: Sequence[NodeSpec],
+        frontend: Frontend,
+        *,
+        cache_blocks: int,
+        block_size: int,
+        output_len: int,
+        proxy_cpus: set[int] | None,
+        vllm_router: Path,
+        logs: Path | None,
+        scrape_load: float = 0.25,
+    ) -> None:
         self._fleet = Fleet(keep_logs=logs)
         self._frontend = frontend
         self._proxy_cpus = proxy_cpus
@@ -169,10 +207,13 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
         subscribe = front.kind == "proxy" and front.policy == "kv-aware"
         for spec in self.specs:
             events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
-            flags = [*node_flags(spec, **self._node_args),
-                     "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": events,
-                                                       "replay_endpoint": replay}),
-                     "--tokenizer", str(fleet.log_dir / "tokenizer")]  # the replicas tokenize with it # fmt: skip
+            flags = [
+                *node_flags(spec, **self._node_args),
+                "--kv-events-config",
+                json.dumps({"enable_kv_cache_events": True, "endpoint": events, "replay_endpoint": replay}),
+                "--tokenizer",
+                str(fleet.log_dir / "tokenizer"),
+            ]  # the replicas tokenize with it
             node = fleet.start(spec.name, "vllm_etcd_proxy.sim", flags, "/health")
             self.nodes.append(node)
             if subscribe:
@@ -180,22 +221,50 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
         fleet.wait_ready()
         if kv_flags:  # the replicas tokenize with the nodes' tokenizer (static nodes given --model have no cards)
             kv_flags += ["--tokenizer", f"{MODEL}={fleet.log_dir / 'tokenizer'}"]
-        by_role = {role: [f"{HOST}:{n.port}" for n, s in zip(self.nodes, self.specs, strict=True) if s.role == role]
-                   for role in ("mixed", "prefill", "decode")}  # fmt: skip
+        by_role = {
+            role: [f"{HOST}:{n.port}" for n, s in zip(self.nodes, self.specs, strict=True) if s.role == role]
+            for role in ("mixed", "prefill", "decode")
+        }
         ready: list[tuple[Server, str]] = []
         for i in range(front.replicas if front.kind != "direct" else 0):
             server: Server
             if front.kind == "proxy":
                 pools = [arg for role, hosts in by_role.items() if hosts for arg in (f"--{role}", *hosts)]
-                args = [*pools, "--model", MODEL, "--log-level", "warning", "--scrape-load", str(self._scrape_load),
-                        "--policy", front.policy, *kv_flags, *front.extra]  # fmt: skip
+                args = [
+                    *pools,
+                    "--model",
+                    MODEL,
+                    "--log-level",
+                    "warning",
+                    "--scrape-load",
+                    str(self._scrape_load),
+                    "--policy",
+                    front.policy,
+                    *kv_flags,
+                    *front.extra,
+                ]
                 server = fleet.start(f"proxy{i}", "vllm_etcd_proxy.proxy", args, "/ready")
                 ready.append((server, "/ready"))
             else:
                 port, metrics_port = free_port(), free_port()
-                argv = [str(self._vllm_router), "--host", HOST, "--port", str(port), "--worker-urls",
-                        *(n.url for n in self.nodes), "--policy", front.policy, "--prometheus-host", HOST,
-                        "--prometheus-port", str(metrics_port), "--log-level", "warning", *front.extra]  # fmt: skip
+                argv = [
+                    str(self._vllm_router),
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    "--worker-urls",
+                    *(n.url for n in self.nodes),
+                    "--policy",
+                    front.policy,
+                    "--prometheus-host",
+                    HOST,
+                    "--prometheus-port",
+                    str(metrics_port),
+                    "--log-level",
+                    "warning",
+                    *front.extra,
+                ]
                 server = Command(f"router{i}", argv, port, fleet.log_dir)
                 fleet.servers.append(server)  # stopped with the rest, in reverse order
                 ready.append((server, "/health"))
@@ -222,10 +291,15 @@ class Stack(contextlib.AbstractContextManager["Stack"]):
         for node, spec in zip(self.nodes, self.specs, strict=True):
             data = httpx.get(node.url + "/sim/requests", timeout=10.0).json()
             counters = data["counters"]
-            reports.append(NodeReport(
-                name=spec.name, role=spec.role, queries=int(counters.get("prefix_cache_queries", 0)),
-                hits=int(counters.get("prefix_cache_hits", 0)), requests=list(data["requests"]),
-            ))  # fmt: skip
+            reports.append(
+                NodeReport(
+                    name=spec.name,
+                    role=spec.role,
+                    queries=int(counters.get("prefix_cache_queries", 0)),
+                    hits=int(counters.get("prefix_cache_hits", 0)),
+                    requests=list(data["requests"]),
+                )
+            )
         return reports
 
     def cpu(self) -> dict[str, float]:

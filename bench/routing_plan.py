@@ -49,8 +49,13 @@ def vllm_router(policy: str, replicas: int) -> Router:
 
 def full_set(proxy_replicas: tuple[int, ...], router_replicas: tuple[int, ...]) -> tuple[Router, ...]:
     """Every router the issue names, at every replica count."""
-    policies = (("kv-aware", False), ("cache-aware", False), ("consistent-hash", False), ("consistent-hash", True),
-                ("least-load", False))  # fmt: skip
+    policies = (
+        ("kv-aware", False),
+        ("cache-aware", False),
+        ("consistent-hash", False),
+        ("consistent-hash", True),
+        ("least-load", False),
+    )
     ours = [proxy(p, r, h) for p, h in policies for r in proxy_replicas]
     peers = [vllm_router(p, r) for p in ("cache_aware", "sticky_least_loaded") for r in router_replicas]
     return (ORACLE, SPRAY, *ours, *peers)
@@ -83,61 +88,96 @@ def routers_in(prefixes: list[str], every: tuple[Router, ...]) -> tuple[Router, 
 
 
 def scenarios(
-    *, proxy_replicas: tuple[int, ...], router_replicas: tuple[int, ...], short_words: int, long_words: int,
-    pd_first_words: int, slow_factor: float, quick: bool,
-) -> dict[str, Scenario]:  # fmt: skip
+    *,
+    proxy_replicas: tuple[int, ...],
+    router_replicas: tuple[int, ...],
+    short_words: int,
+    long_words: int,
+    pd_first_words: int,
+    slow_factor: float,
+    quick: bool,
+) -> dict[str, Scenario]:
     """Every scenario by name, in running order. ``quick`` keeps a few routers per scenario (a smoke run)."""
     full = full_set(proxy_replicas, router_replicas)
     r_mid = proxy_replicas[len(proxy_replicas) // 2]
-    few = (ORACLE, SPRAY, *(proxy(p, r) for p in ("kv-aware", "cache-aware") for r in proxy_replicas),
-           proxy("consistent-hash", r_mid, header=True), proxy("least-load", r_mid),
-           vllm_router("cache_aware", router_replicas[-1]),
-           *(vllm_router("sticky_least_loaded", r) for r in router_replicas))  # fmt: skip
-    pd_routers = (*(proxy("cache-aware", r, extra=("--pd-min-prompt-tokens", str(m)))
-                    for m in (0, 256) for r in router_replicas),
-                  proxy("kv-aware", router_replicas[-1], extra=("--pd-min-prompt-tokens", "256")),
-                  proxy("least-load", router_replicas[-1], extra=("--pd-min-prompt-tokens", "0")))  # fmt: skip
+    few = (
+        ORACLE,
+        SPRAY,
+        *(proxy(p, r) for p in ("kv-aware", "cache-aware") for r in proxy_replicas),
+        proxy("consistent-hash", r_mid, header=True),
+        proxy("least-load", r_mid),
+        vllm_router("cache_aware", router_replicas[-1]),
+        *(vllm_router("sticky_least_loaded", r) for r in router_replicas),
+    )
+    pd_routers = (
+        *(proxy("cache-aware", r, extra=("--pd-min-prompt-tokens", str(m))) for m in (0, 256) for r in router_replicas),
+        proxy("kv-aware", router_replicas[-1], extra=("--pd-min-prompt-tokens", "256")),
+        proxy("least-load", router_replicas[-1], extra=("--pd-min-prompt-tokens", "0")),
+    )
     if quick:
         full = (ORACLE, proxy("cache-aware", r_mid), vllm_router("sticky_least_loaded", 1))
         few = (proxy("cache-aware", r_mid),)
         pd_routers = (proxy("cache-aware", r_mid, extra=("--pd-min-prompt-tokens", "0")),)
     return {
         "chat-short": Scenario(
-            name="chat-short", routers=full, system_words=short_words,
+            name="chat-short",
+            routers=full,
+            system_words=short_words,
             description=f"chat, shared system prompt of {short_words} words",
         ),
         "chat-long": Scenario(
-            name="chat-long", routers=few, system_words=long_words,
+            name="chat-long",
+            routers=few,
+            system_words=long_words,
             description=f"chat, shared system prompt of {long_words} words (longer than any session's own part)",
         ),
         "completions": Scenario(
-            name="completions", routers=few, api="completions", system_words=short_words,
-            description=f"/v1/completions, the conversation as one text prompt, shared preamble of {short_words} "
-            "words",
+            name="completions",
+            routers=few,
+            api="completions",
+            system_words=short_words,
+            description=f"/v1/completions, the conversation as one text prompt, shared preamble of {short_words} words",
         ),
         "token-ids": Scenario(
-            name="token-ids", routers=few, api="token-ids", system_words=short_words,
+            name="token-ids",
+            routers=few,
+            api="token-ids",
+            system_words=short_words,
             description=f"completions's workload with the prompt as token ids (which the kv-aware index reads "
             f"without a tokenizer), shared preamble of {short_words} words",
         ),
         "slow-node": Scenario(
-            name="slow-node", routers=few if not quick else full[1:2], system_words=short_words,
-            slow_factor=slow_factor, baseline="chat-short",
+            name="slow-node",
+            routers=few if not quick else full[1:2],
+            system_words=short_words,
+            slow_factor=slow_factor,
+            baseline="chat-short",
             description=f"chat-short's workload with the last node {slow_factor:g}x slower from the start "
             "(ttft, itl and prefill per token)",
         ),
         "pd": Scenario(
-            name="pd", routers=pd_routers, system_words=short_words, first_words=pd_first_words, pd=True,
+            name="pd",
+            routers=pd_routers,
+            system_words=short_words,
+            first_words=pd_first_words,
+            pd=True,
             description=f"2 prefill + 2 decode nodes; chat, shared system prompt of {short_words} words, first "
             f"message {pd_first_words} words (a pasted document), later ones as in chat-short",
         ),
-    }  # fmt: skip
+    }
 
 
 def cache_blocks(
-    *, system_words: int, first_words: int, followup_words: int, max_tokens: int, turns: int, concurrency: int,
-    nodes: int, block_size: int,
-) -> int:  # fmt: skip
+    *,
+    system_words: int,
+    first_words: int,
+    followup_words: int,
+    max_tokens: int,
+    turns: int,
+    concurrency: int,
+    nodes: int,
+    block_size: int,
+) -> int:
     """The prefix cache per node: the shared preamble plus twice a node's fair share of the sessions running at
     once, each at its longest. Routing that keeps sessions apart never evicts a live session then; spraying every
     live session over every node does. Tokens as the simulator counts them: a word each, plus the template's

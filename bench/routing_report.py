@@ -70,11 +70,13 @@ def _new_session_shares(run: Run, names: Sequence[str]) -> list[dict[str, Any]]:
     for i in range(THIRDS):
         part = firsts[len(firsts) * i // THIRDS : len(firsts) * (i + 1) // THIRDS]
         counts = Counter(t.node or "?" for t in part)
-        thirds.append({
-            "from_s": part[0].sent - run.started if part else None,
-            "to_s": part[-1].sent - run.started if part else None,
-            "shares": {n: counts[n] / max(1, len(part)) for n in names},
-        })  # fmt: skip
+        thirds.append(
+            {
+                "from_s": part[0].sent - run.started if part else None,
+                "to_s": part[-1].sent - run.started if part else None,
+                "shares": {n: counts[n] / max(1, len(part)) for n in names},
+            }
+        )
     return thirds
 
 
@@ -131,7 +133,7 @@ def _load_by_node(samples: Sequence[LoadSample], names: Sequence[str]) -> dict[s
             "max_load": max((x.running + x.waiting for x in mine), default=None),
             "max_kv_usage": max((x.kv_usage for x in mine), default=None),
             "kv_full_share": sum(x.kv_usage >= KV_FULL for x in mine) / len(mine) if mine else None,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -149,12 +151,14 @@ def _prefill_legs(outcome: Outcome) -> dict[str, Any]:
     one_node = [s for s in several if len(set(where[s].values())) == 1]
     legs = sum(len(v) for v in where.values())
     return {
-        "prefill_legs": legs, "turns_without_prefill": len(outcome.run.ok) - legs,
-        "sessions_with_2plus_legs": len(several), "sessions_on_one_prefill_node": len(one_node),
+        "prefill_legs": legs,
+        "turns_without_prefill": len(outcome.run.ok) - legs,
+        "sessions_with_2plus_legs": len(several),
+        "sessions_on_one_prefill_node": len(one_node),
         "one_node_share": len(one_node) / len(several) if several else None,
         "hit_rate_prefill": _hit_rate([n for n in outcome.nodes if n.role == "prefill"]),
         "hit_rate_decode": _hit_rate([n for n in outcome.nodes if n.role == "decode"]),
-    }  # fmt: skip
+    }
 
 
 def summarise(outcome: Outcome) -> dict[str, Any]:
@@ -168,12 +172,16 @@ def summarise(outcome: Outcome) -> dict[str, Any]:
     by_session: dict[int, dict[int, Any]] = defaultdict(dict)
     for t in ok:
         by_session[t.session][t.turn] = t
-    pairs = [(turns[i - 1].node, turns[i].node) for turns in by_session.values() for i in turns
-             if i and i - 1 in turns]  # fmt: skip
+    pairs = [(turns[i - 1].node, turns[i].node) for turns in by_session.values() for i in turns if i and i - 1 in turns]
     sessions = Counter(t.node or "?" for t in ok if t.turn == 0)
     summary: dict[str, Any] = {
-        "scenario": outcome.scenario, "router": outcome.router, "kind": outcome.kind, "replicas": outcome.replicas,
-        "requests": len(run.turns), "ok": len(ok), "failed": len(run.failed),
+        "scenario": outcome.scenario,
+        "router": outcome.router,
+        "kind": outcome.kind,
+        "replicas": outcome.replicas,
+        "requests": len(run.turns),
+        "ok": len(ok),
+        "failed": len(run.failed),
         "errors": dict(run.errors().most_common(3)),
         "sessions_complete": sum(1 for n in run.turns_per_session().values() if n == run.workload.turns),
         "hit_rate": _hit_rate(answering if any(n.role == "mixed" for n in answering) else outcome.nodes),
@@ -186,9 +194,11 @@ def summarise(outcome: Outcome) -> dict[str, Any]:
         "moved_turns": _moves(outcome, by_session),
         "load_by_node": _load_by_node(outcome.load, [n.name for n in outcome.nodes]),
         "ttft_ms": percentiles_ms([t.ttft for t in ok if t.ttft is not None], (50, 90, 99)),
-        "wall_s": run.wall, "cpu_s": dict(outcome.cpu), "generator_cpu_s": run.generator_cpu,
+        "wall_s": run.wall,
+        "cpu_s": dict(outcome.cpu),
+        "generator_cpu_s": run.generator_cpu,
         "slow_node": outcome.slow_node,
-    }  # fmt: skip
+    }
     if any(n.role == "prefill" for n in outcome.nodes):
         summary["pd"] = _prefill_legs(outcome)
     return summary
@@ -239,12 +249,16 @@ def _shares(values: Mapping[str, float]) -> str:
 def render_scenario(scenario: Mapping[str, Any]) -> str:
     rows, verdicts = scenario["rows"], scenario["targets"]
     lines = [f"## {scenario['name']}: {scenario['description']}", ""]
-    head = "| router | R | hit rate | max/mean requests per node | share of turns on the previous turn's node | " \
-           "TTFT p50 / p99 ms | failed | sessions per node | moved turns: KV full / overloaded / back / other " \
-           "|"  # fmt: skip
+    head = (
+        "| router | R | hit rate | max/mean requests per node | share of turns on the previous turn's node | "
+        "TTFT p50 / p99 ms | failed | sessions per node | moved turns: KV full / overloaded / back / other "
+        "|"
+    )
     if any("pd" in r for r in rows):
-        head = "| router | R | hit rate prefill / decode | sessions whose prefill legs all went to one node | " \
-               "turns with no prefill leg | TTFT p50 / p99 ms | failed | requests per decode node |"  # fmt: skip
+        head = (
+            "| router | R | hit rate prefill / decode | sessions whose prefill legs all went to one node | "
+            "turns with no prefill leg | TTFT p50 / p99 ms | failed | requests per decode node |"
+        )
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r["ttft_ms"]
@@ -254,19 +268,26 @@ def render_scenario(scenario: Mapping[str, Any]) -> str:
             pd = r["pd"]
             one = f"{pd['sessions_on_one_prefill_node']}/{pd['sessions_with_2plus_legs']}"
             spread = " ".join(str(v) for v in r["requests_by_node"].values())
-            lines.append(f"| {r['router']} | {replicas} | {_f(pd['hit_rate_prefill'], '.3f')} / "
-                         f"{_f(pd['hit_rate_decode'], '.3f')} | {one} | {pd['turns_without_prefill']} | {ttft} | "
-                         f"{r['failed']} | {spread} |")  # fmt: skip
+            lines.append(
+                f"| {r['router']} | {replicas} | {_f(pd['hit_rate_prefill'], '.3f')} / "
+                f"{_f(pd['hit_rate_decode'], '.3f')} | {one} | {pd['turns_without_prefill']} | {ttft} | "
+                f"{r['failed']} | {spread} |"
+            )
             continue
         spread = " ".join(str(v) for v in r["sessions_by_node"].values())
         moved = " / ".join(str(v) for v in r["moved_turns"].values())
-        lines.append(f"| {r['router']} | {replicas} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_mean'], '.2f')} | "
-                     f"{_f(r['same_node_share'], '.2f')} | {ttft} | {r['failed']} | {spread} | {moved} |")  # fmt: skip
+        lines.append(
+            f"| {r['router']} | {replicas} | {_f(r['hit_rate'], '.3f')} | {_f(r['max_mean'], '.2f')} | "
+            f"{_f(r['same_node_share'], '.2f')} | {ttft} | {r['failed']} | {spread} | {moved} |"
+        )
     slow = [r for r in rows if r.get("slow_node")]
     if slow:
-        lines += ["", f"share of new sessions per node ({', '.join(slow[0]['sessions_by_node'])}; slow: "
-                  f"{slow[0]['slow_node']}) in the first, middle and last third of the sessions to start; then the "
-                  "mean load (running + waiting) per node:"]  # fmt: skip
+        lines += [
+            "",
+            f"share of new sessions per node ({', '.join(slow[0]['sessions_by_node'])}; slow: "
+            f"{slow[0]['slow_node']}) in the first, middle and last third of the sessions to start; then the "
+            "mean load (running + waiting) per node:",
+        ]
         for r in slow:
             thirds = " | ".join(
                 f"{_shares(third['shares'])} ({_f(third['from_s'])}-{_f(third['to_s'])} s)"
@@ -279,14 +300,20 @@ def render_scenario(scenario: Mapping[str, Any]) -> str:
         "slow_ttft_p99_vs_healthy" in v for v in verdicts["rows"].values()
     )  # a P/D fleet has neither an oracle nor a healthy twin
     if verdicts["rows"] and comparable:
-        lines += ["", f"targets (this project's rows; vllm-router's best p99 here: "
-                  f"{_f(verdicts['vllm_router_best_p99_ms'])} ms):"]  # fmt: skip
+        lines += [
+            "",
+            f"targets (this project's rows; vllm-router's best p99 here: "
+            f"{_f(verdicts['vllm_router_best_p99_ms'])} ms):",
+        ]
         for name, v in verdicts["rows"].items():
             missed = [k for k, ok in v["met"].items() if ok is False]
             unknown = [k for k, ok in v["met"].items() if ok is None]
-            parts = [f"hit {_f(v['hit_rate_vs_oracle'], '.3f')}x oracle", f"max/mean {_f(v['max_mean'], '.2f')}",
-                     f"p50 {_f(v['ttft_p50_vs_oracle'], '.2f')}x oracle",
-                     f"p99 {_f(v['ttft_p99_vs_vllm_router_best'], '.2f')}x vllm-router best"]  # fmt: skip
+            parts = [
+                f"hit {_f(v['hit_rate_vs_oracle'], '.3f')}x oracle",
+                f"max/mean {_f(v['max_mean'], '.2f')}",
+                f"p50 {_f(v['ttft_p50_vs_oracle'], '.2f')}x oracle",
+                f"p99 {_f(v['ttft_p99_vs_vllm_router_best'], '.2f')}x vllm-router best",
+            ]
             if "slow_ttft_p99_vs_healthy" in v:
                 parts.append(f"p99 {_f(v['slow_ttft_p99_vs_healthy'], '.2f')}x healthy")
             verdict = "all met" if not missed else "missed: " + ", ".join(missed)
@@ -303,8 +330,11 @@ def render(report: Mapping[str, Any]) -> str:
         f"{report['code']}",
         f"nodes: ttft {c['ttft']:g} s + {c['prefill_per_token']:g} s per uncached prompt token, itl {c['itl']:g} s, "
         f"{c['max_tokens']} tokens per answer, prefix cache of blocks of {c['block_size']} tokens (size per scenario)"
-        + (f"; each step {c['batch_slowdown']:g} x longer per other running sequence" if c.get("batch_slowdown")
-           else ""),
+        + (
+            f"; each step {c['batch_slowdown']:g} x longer per other running sequence"
+            if c.get("batch_slowdown")
+            else ""
+        ),
         f"workload: {c['sessions']} sessions x {c['turns']} turns, {c['concurrency']} at a time, think time "
         f"{c['think']:g}-{c['think'] + c['think_jitter']:g} s (seeded); proxies: --scrape-load "
         f"{c.get('scrape_load', 0.25):g}; requests alternate over a router's replicas",

@@ -52,8 +52,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--deadline", type=float, default=120.0, help="seconds to wait for a replica to see all (120)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds after convergence before the idle count (5)")
     p.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU counted (10)")
-    p.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for every replica (repeatable), e.g. --replica-arg=--scrape-load=0")
+    p.add_argument(
+        "--replica-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every replica (repeatable), e.g. --replica-arg=--scrape-load=0",
+    )
     add_run_flags(p, QUICK, "1,000 nodes and 2 replicas, for CI")
     args = parse_quick(p, argv, QUICK)
     if args.nodes < 1 or args.replicas < 1 or args.parallel < 1 or args.models < 1:
@@ -77,8 +82,14 @@ def _nodes_seen(status: dict[str, Any]) -> int:
     return sum(int(status[f"{role}_node_count"]) for role in ("prefill", "decode", "mixed"))
 
 
-def wait_all_seen(replicas: Sequence[Server], nodes: int, revision: int, done: float, deadline: float,
-                  results: dict[str, float | None]) -> None:  # fmt: skip
+def wait_all_seen(
+    replicas: Sequence[Server],
+    nodes: int,
+    revision: int,
+    done: float,
+    deadline: float,
+    results: dict[str, float | None],
+) -> None:
     """Fill ``results[name]`` with the seconds from ``done`` until the replica showed ``nodes`` nodes at
     ``revision`` or later (None: not within ``deadline`` s); each replica polled in its own thread."""
 
@@ -98,8 +109,9 @@ def wait_all_seen(replicas: Sequence[Server], nodes: int, revision: int, done: f
         thread.join()
 
 
-def _burst(fleet: Fleet, etcd: Server, cluster: str, ports: list[int], args: argparse.Namespace,
-           ours: Sequence[Server]) -> dict[str, Any]:  # fmt: skip
+def _burst(
+    fleet: Fleet, etcd: Server, cluster: str, ports: list[int], args: argparse.Namespace, ours: Sequence[Server]
+) -> dict[str, Any]:
     """One burst of puts under ``cluster``; with the CPU the machine spent meanwhile outside ``ours``."""
     regs = Registrations.make(KeyLayout(cluster=cluster), ports, args.models, args.bare_every)
     busy0, total0 = machine_cpu_seconds()
@@ -109,10 +121,17 @@ def _burst(fleet: Fleet, etcd: Server, cluster: str, ports: list[int], args: arg
     ours_cpu = sum(s.cpu() for s in ours) - ours0 + time.process_time() - bench0
     etcd_cpu, bench_cpu = etcd.cpu() - etcd0, time.process_time() - bench0
     others = max(0.0, (busy - busy0) - ours_cpu) / burst.seconds
-    return {"cluster": cluster, "seconds": burst.seconds, "failed": burst.failed, "last_revision": burst.last_revision,
-            "puts_per_s": len(regs.items) / burst.seconds, "others_cores": others, "etcd_cpu_s": etcd_cpu,
-            "putter_cpu_s": bench_cpu,
-            "machine_busy": (busy - busy0) / max(1e-9, total - total0)}  # fmt: skip
+    return {
+        "cluster": cluster,
+        "seconds": burst.seconds,
+        "failed": burst.failed,
+        "last_revision": burst.last_revision,
+        "puts_per_s": len(regs.items) / burst.seconds,
+        "others_cores": others,
+        "etcd_cpu_s": etcd_cpu,
+        "putter_cpu_s": bench_cpu,
+        "machine_busy": (busy - busy0) / max(1e-9, total - total0),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,14 +140,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     begun = time.monotonic()
     with Fleet(keep_logs=args.logs) as fleet:
         peer = fleet.port()
-        etcd = fleet.start("etcd", "", [], "/health",
-                           command=lambda port: etcd_command(fleet.log_dir / "etcd-data", port, peer))  # fmt: skip
+        etcd = fleet.start(
+            "etcd", "", [], "/health", command=lambda port: etcd_command(fleet.log_dir / "etcd-data", port, peer)
+        )
         fleet.wait_ready()
         ports = idle_ports(args.nodes)
         a1 = _burst(fleet, etcd, "a1", ports, args, [etcd])
         replica_args = ["--etcd", etcd.url, "--cluster", "b", "--log-level", "warning", *args.replica_arg]
-        replicas = [fleet.start(f"replica{i}", "vllm_etcd_proxy.proxy", replica_args, "/health")
-                    for i in range(args.replicas)]  # fmt: skip
+        replicas = [
+            fleet.start(f"replica{i}", "vllm_etcd_proxy.proxy", replica_args, "/health") for i in range(args.replicas)
+        ]
         fleet.wait_ready()
         for replica in replicas:
             while not _status(replica.url)["discovery"]["synced"]:
@@ -155,17 +176,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     baseline = statistics.mean([a1["seconds"], a2["seconds"]])
     return {
         "ok": converged and not (a1["failed"] or b["failed"] or a2["failed"]),
-        "code": code_version(), "machine": machine(started, loadavg), "wall_s": time.monotonic() - begun,
-        "config": {k: getattr(args, k) for k in ("nodes", "replicas", "parallel", "models", "bare_every", "idle",
-                                                       "replica_arg")},
+        "code": code_version(),
+        "machine": machine(started, loadavg),
+        "wall_s": time.monotonic() - begun,
+        "config": {
+            k: getattr(args, k)
+            for k in ("nodes", "replicas", "parallel", "models", "bare_every", "idle", "replica_arg")
+        },
         "bursts": {"a1": a1, "b": b, "a2": a2},
         "puts_ratio": b["seconds"] / baseline,
-        "seen_after_last_put_s": seen, "seen_max_s": max(times) if converged else None,
+        "seen_after_last_put_s": seen,
+        "seen_max_s": max(times) if converged else None,
         "burst_cpu_s": burst_cpu,
-        "idle_cores": idle, "idle_cores_max": max(idle.values()),
-        "rss_mb_before": rss_before, "rss_mb_after": rss_after,
-        "rss_delta_mb_max": max(rss_after[k] - rss_before[k] for k in rss_after), "server_pids": pids,
-    }  # fmt: skip
+        "idle_cores": idle,
+        "idle_cores_max": max(idle.values()),
+        "rss_mb_before": rss_before,
+        "rss_mb_after": rss_after,
+        "rss_delta_mb_max": max(rss_after[k] - rss_before[k] for k in rss_after),
+        "server_pids": pids,
+    }
 
 
 def render(r: dict[str, Any]) -> str:
@@ -175,12 +204,14 @@ def render(r: dict[str, Any]) -> str:
         f"{c['replicas']} replicas, {c['parallel']} puts in flight; code {r['code']}",
         f"machine: {r['machine']['cpus']} CPUs, {r['machine']['date']}; load average {r['machine']['loadavg_start']} "
         f"at start, {r['machine']['loadavg_end']} at end; {r['wall_s']:.0f} s in all",
-    ]  # fmt: skip
+    ]
     for name, title in (("a1", "no replica"), ("b", f"{c['replicas']} replicas watching"), ("a2", "no replica")):
         x = bursts[name]
-        lines.append(f"  burst {name:2} ({title:20}): {x['seconds']:6.2f} s, {x['puts_per_s']:6.0f} puts/s, "
-                     f"failed {x['failed']}; CPU s: etcd {x['etcd_cpu_s']:.1f}, putter {x['putter_cpu_s']:.1f}; "
-                     f"others' CPU {x['others_cores']:.2f} cores")  # fmt: skip
+        lines.append(
+            f"  burst {name:2} ({title:20}): {x['seconds']:6.2f} s, {x['puts_per_s']:6.0f} puts/s, "
+            f"failed {x['failed']}; CPU s: etcd {x['etcd_cpu_s']:.1f}, putter {x['putter_cpu_s']:.1f}; "
+            f"others' CPU {x['others_cores']:.2f} cores"
+        )
     lines.append(f"puts with replicas / without (mean of a1, a2): {r['puts_ratio']:.2f}   (goal <= 1.20)")
     seen = ", ".join("-" if t is None else f"{t:.2f}" for t in r["seen_after_last_put_s"].values())
     top = "not all within the deadline" if r["seen_max_s"] is None else f"{r['seen_max_s']:.2f} s"

@@ -26,10 +26,24 @@ LOW_PORT, HIGH_PORT = 1025, 32767
 def etcd_command(data_dir: Path, client_port: int, peer_port: int) -> list[str]:
     client, peer = f"http://{HOST}:{client_port}", f"http://{HOST}:{peer_port}"
     return [
-        "etcd", "--name", "bench", "--data-dir", str(data_dir), "--listen-client-urls", client,
-        "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-        "--initial-cluster", f"bench={peer}", "--log-level", "warn",
-    ]  # fmt: skip
+        "etcd",
+        "--name",
+        "bench",
+        "--data-dir",
+        str(data_dir),
+        "--listen-client-urls",
+        client,
+        "--advertise-client-urls",
+        client,
+        "--listen-peer-urls",
+        peer,
+        "--initial-advertise-peer-urls",
+        peer,
+        "--initial-cluster",
+        f"bench={peer}",
+        "--log-level",
+        "warn",
+    ]
 
 
 def listening_ports() -> set[int]:
@@ -71,8 +85,14 @@ class Registrations:
             if bare_every and i % bare_every == bare_every - 1:
                 items.append((layout.key(role, node_id), b""))
                 continue
-            record = {"url": f"http://{node_id}", "role": role.value, "models": [f"model-{i % models}"],
-                      "status": "serving", "source": "registrar", "version": "bench"}  # fmt: skip
+            record = {
+                "url": f"http://{node_id}",
+                "role": role.value,
+                "models": [f"model-{i % models}"],
+                "status": "serving",
+                "source": "registrar",
+                "version": "bench",
+            }
             items.append((layout.key(role, node_id), json.dumps(record).encode()))
         return cls(items=items)
 

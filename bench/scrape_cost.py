@@ -58,13 +58,16 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     loadavg = Path("/proc/loadavg").read_text().split()[0]
     with Fleet() as fleet:
-        nodes = [fleet.start(f"node{i}", "vllm_etcd_proxy.sim", ["--log-level", "warning"], "/health")
-                 for i in range(args.nodes)]  # fmt: skip
+        nodes = [
+            fleet.start(f"node{i}", "vllm_etcd_proxy.sim", ["--log-level", "warning"], "/health")
+            for i in range(args.nodes)
+        ]
         fleet.wait_ready()
         mixed = [arg for node in nodes for arg in ("--mixed", f"127.0.0.1:{node.port}")]
         common = [*mixed, "--model", "sim-model", "--log-level", "warning"]
-        scraping = fleet.start("scraping", "vllm_etcd_proxy.proxy", [*common, "--scrape-load", str(args.interval)],
-                               "/ready")  # fmt: skip
+        scraping = fleet.start(
+            "scraping", "vllm_etcd_proxy.proxy", [*common, "--scrape-load", str(args.interval)], "/ready"
+        )
         quiet = fleet.start("quiet", "vllm_etcd_proxy.proxy", [*common, "--scrape-load", "0"], "/ready")
         fleet.wait_ready()
         for node in nodes:
@@ -82,22 +85,32 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         httpx_cpu = asyncio.run(_httpx_scrapes(urls, rounds))
     replica_per_scrape = (spent[0] - spent[1]) / scrapes
     return {
-        "ok": True, "code": code_version(), "machine": machine(started, loadavg),
-        "nodes": args.nodes, "interval": args.interval, "seconds": args.seconds, "scrapes": scrapes,
-        "page_bytes": page, "replica_cpu_scraping": spent[0], "replica_cpu_quiet": spent[1],
-        "replica_us_per_scrape": replica_per_scrape * 1e6, "httpx_us_per_scrape": httpx_cpu / scrapes * 1e6,
-    }  # fmt: skip
+        "ok": True,
+        "code": code_version(),
+        "machine": machine(started, loadavg),
+        "nodes": args.nodes,
+        "interval": args.interval,
+        "seconds": args.seconds,
+        "scrapes": scrapes,
+        "page_bytes": page,
+        "replica_cpu_scraping": spent[0],
+        "replica_cpu_quiet": spent[1],
+        "replica_us_per_scrape": replica_per_scrape * 1e6,
+        "httpx_us_per_scrape": httpx_cpu / scrapes * 1e6,
+    }
 
 
 def render(report: dict[str, object]) -> str:
     r = report
-    return "\n".join([
-        f"scrape cost: {r['nodes']} idle vllm-sim nodes, /metrics page {r['page_bytes']} bytes; code {r['code']}",
-        f"replica scraping every {r['interval']} s: {r['replica_cpu_scraping']:.3f} s CPU in {r['seconds']} s; "
-        f"not scraping: {r['replica_cpu_quiet']:.3f} s; {r['scrapes']} scrapes",
-        f"  replica:          {r['replica_us_per_scrape']:7.0f} us CPU per scrape (fetch and parse)",
-        f"  httpx, in-process: {r['httpx_us_per_scrape']:6.0f} us CPU per scrape (fetch and parse)",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"scrape cost: {r['nodes']} idle vllm-sim nodes, /metrics page {r['page_bytes']} bytes; code {r['code']}",
+            f"replica scraping every {r['interval']} s: {r['replica_cpu_scraping']:.3f} s CPU in {r['seconds']} s; "
+            f"not scraping: {r['replica_cpu_quiet']:.3f} s; {r['scrapes']} scrapes",
+            f"  replica:          {r['replica_us_per_scrape']:7.0f} us CPU per scrape (fetch and parse)",
+            f"  httpx, in-process: {r['httpx_us_per_scrape']:6.0f} us CPU per scrape (fetch and parse)",
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

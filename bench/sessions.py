@@ -271,10 +271,15 @@ class _Conversation:
         prompt: dict[str, Any] = {"messages": self.messages} if w.api == "chat" else {"prompt": self.text}
         if w.api == "token-ids":  # the same text as the simulator's tokenizer reads it: its cache sees alike
             prompt = {"prompt": encode(self.text)}
-        return orjson.dumps({
-            "model": w.model, **prompt, "max_tokens": w.max_tokens,
-            "stream": True, "stream_options": {"include_usage": True},
-        })  # fmt: skip
+        return orjson.dumps(
+            {
+                "model": w.model,
+                **prompt,
+                "max_tokens": w.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
 
     def answered(self, answer: str, next_turn: int) -> None:
         self.messages.append({"role": "assistant", "content": answer})
@@ -332,9 +337,7 @@ async def _stream(client: httpx.AsyncClient, route: Route, path: str, body: byte
     return "".join(parts)
 
 
-async def _session(
-    session: int, workload: Workload, target: Target, ssl_context: ssl.SSLContext, run: Run
-) -> None:  # fmt: skip
+async def _session(session: int, workload: Workload, target: Target, ssl_context: ssl.SSLContext, run: Run) -> None:
     conversation = _Conversation(workload, session)
     path = PATHS[workload.api]
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=300)

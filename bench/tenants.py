@@ -62,8 +62,9 @@ async def one(client: httpx.AsyncClient, url: str, key: str, tokens: int) -> tup
     return "truncated", None
 
 
-async def tenant(url: str, key: str, rps: float, seconds: float, tokens: int, seed: int,
-                 results: list[tuple[str, float | None]]) -> None:  # fmt: skip
+async def tenant(
+    url: str, key: str, rps: float, seconds: float, tokens: int, seed: int, results: list[tuple[str, float | None]]
+) -> None:
     """Open loop: Poisson arrivals at ``rps`` for ``seconds``, whatever the answers take."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=200)
@@ -88,13 +89,39 @@ def run_once(args: argparse.Namespace, name: str) -> dict[str, Any]:
     with Fleet(keep_logs=args.logs / name if args.logs else None) as fleet:
         key_file = fleet.log_dir / "keys.txt"
         key_file.write_text(KEYS)
-        nodes = [fleet.start(f"node-{i}", "vllm_etcd_proxy.sim",
-                             ["--role", "mixed", "--max-num-seqs", str(args.max_num_seqs), "--ttft", str(args.ttft),
-                              "--itl", str(args.itl), "--log-level", "warning"], "/health")
-                 for i in range(args.nodes)]  # fmt: skip
+        nodes = [
+            fleet.start(
+                f"node-{i}",
+                "vllm_etcd_proxy.sim",
+                [
+                    "--role",
+                    "mixed",
+                    "--max-num-seqs",
+                    str(args.max_num_seqs),
+                    "--ttft",
+                    str(args.ttft),
+                    "--itl",
+                    str(args.itl),
+                    "--log-level",
+                    "warning",
+                ],
+                "/health",
+            )
+            for i in range(args.nodes)
+        ]
         fleet.wait_ready()
-        flags = ["--mixed", *(f"127.0.0.1:{n.port}" for n in nodes), "--model", MODEL, "--api-key-file",
-                 str(key_file), "--policy", "least-load", "--log-level", "warning"]  # fmt: skip
+        flags = [
+            "--mixed",
+            *(f"127.0.0.1:{n.port}" for n in nodes),
+            "--model",
+            MODEL,
+            "--api-key-file",
+            str(key_file),
+            "--policy",
+            "least-load",
+            "--log-level",
+            "warning",
+        ]
         if name == "queue-on":
             flags += ["--max-connections", str(args.max_num_seqs), "--queue-timeout", str(args.queue_timeout)]
         proxy = fleet.start("proxy", "vllm_etcd_proxy.proxy", flags, "/ready")
@@ -118,9 +145,16 @@ def run_once(args: argparse.Namespace, name: str) -> dict[str, Any]:
             counts[outcome] = counts.get(outcome, 0) + 1
         return counts
 
-    return {"run": name, "quiet": outcomes(quiet), "noisy": outcomes(noisy),
-            "quiet_ttft_ms": {"p50": _ms(percentile(ttfts, 0.5)), "p99": _ms(percentile(ttfts, 0.99)),
-                              "mean": _ms(statistics.fmean(ttfts) if ttfts else None)}}  # fmt: skip
+    return {
+        "run": name,
+        "quiet": outcomes(quiet),
+        "noisy": outcomes(noisy),
+        "quiet_ttft_ms": {
+            "p50": _ms(percentile(ttfts, 0.5)),
+            "p99": _ms(percentile(ttfts, 0.99)),
+            "mean": _ms(statistics.fmean(ttfts) if ttfts else None),
+        },
+    }
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -131,26 +165,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), Path("/proc/loadavg").read_text().split()[0]
     runs = {name: run_once(args, name) for name in RUNS}
     solo = runs["solo"]["quiet_ttft_ms"]
-    ratios = {name: {q: (round(r["quiet_ttft_ms"][q] / solo[q], 2) if r["quiet_ttft_ms"][q] and solo[q] else None)
-                     for q in ("p50", "p99")} for name, r in runs.items() if name != "solo"}  # fmt: skip
+    ratios = {
+        name: {
+            q: (round(r["quiet_ttft_ms"][q] / solo[q], 2) if r["quiet_ttft_ms"][q] and solo[q] else None)
+            for q in ("p50", "p99")
+        }
+        for name, r in runs.items()
+        if name != "solo"
+    }
     ok = all(r["quiet"].get("ok", 0) == sum(r["quiet"].values()) for r in runs.values())
     capacity = args.nodes * args.max_num_seqs / (args.ttft + args.tokens * args.itl)
-    return {"ok": ok, "code": code_version(), "machine": machine(started, load), "runs": runs, "vs_solo": ratios,
-            "config": {k: v for k, v in vars(args).items() if k not in ("logs", "save", "json", "quick")},
-            "capacity_rps": round(capacity, 1)}  # fmt: skip
+    return {
+        "ok": ok,
+        "code": code_version(),
+        "machine": machine(started, load),
+        "runs": runs,
+        "vs_solo": ratios,
+        "config": {k: v for k, v in vars(args).items() if k not in ("logs", "save", "json", "quick")},
+        "capacity_rps": round(capacity, 1),
+    }
 
 
 def render(report: dict[str, Any]) -> str:
     c = report["config"]
-    lines = [f"{c['nodes']} sim nodes, --max-num-seqs {c['max_num_seqs']}, ttft {c['ttft']} s, {c['tokens']} tokens "
-             f"at {c['itl']} s: capacity about {report['capacity_rps']} req/s; quiet {c['quiet_rps']} req/s, noisy "
-             f"{c['quiet_rps'] * 10} req/s, {c['seconds']} s per run; code {report['code']}", "",
-             "| run | quiet TTFT p50 ms | p99 ms | p50 vs solo | p99 vs solo | quiet outcomes | noisy outcomes |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"{c['nodes']} sim nodes, --max-num-seqs {c['max_num_seqs']}, ttft {c['ttft']} s, {c['tokens']} tokens "
+        f"at {c['itl']} s: capacity about {report['capacity_rps']} req/s; quiet {c['quiet_rps']} req/s, noisy "
+        f"{c['quiet_rps'] * 10} req/s, {c['seconds']} s per run; code {report['code']}",
+        "",
+        "| run | quiet TTFT p50 ms | p99 ms | p50 vs solo | p99 vs solo | quiet outcomes | noisy outcomes |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in report["runs"].items():
         ratio = report["vs_solo"].get(name, {"p50": 1.0, "p99": 1.0})
-        lines.append(f"| {name} | {r['quiet_ttft_ms']['p50']} | {r['quiet_ttft_ms']['p99']} | {ratio['p50']} | "
-                     f"{ratio['p99']} | {r['quiet']} | {r['noisy']} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {r['quiet_ttft_ms']['p50']} | {r['quiet_ttft_ms']['p99']} | {ratio['p50']} | "
+            f"{ratio['p99']} | {r['quiet']} | {r['noisy']} |"
+        )
     return "\n".join(lines)
 
 

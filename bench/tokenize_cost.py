@@ -83,8 +83,12 @@ def chatml_bpe(directory: Path) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     rng = random.Random("corpus")
     corpus = [words(rng, 50) + f" {rng.randrange(1 << 32):x} " + tokens.decode(range(16, 4096, 7)) for _ in range(400)]
-    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=8000,
+        special_tokens=specials,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(corpus, trainer)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     directory.mkdir(parents=True, exist_ok=True)
@@ -135,16 +139,22 @@ def measure(source: Path, chats: list[list[dict[str, Any]]]) -> dict[str, Any]:
     def p50(values: list[float]) -> float:
         return round(statistics.median(values) * 1e6, 1)
 
-    return {"last_turn_tokens": length, "first_turn_us": p50(first), "later_turns_cached_us": p50(later),
-            "later_turns_whole_us": p50(later_whole)}  # fmt: skip
+    return {
+        "last_turn_tokens": length,
+        "first_turn_us": p50(first),
+        "later_turns_cached_us": p50(later),
+        "later_turns_whole_us": p50(later_whole),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     chats = conversations(args)
     with tempfile.TemporaryDirectory() as tmp:
-        sources = {"vllm-sim (WordPiece)": vocab.write(Path(tmp) / "sim"),
-                   "ChatML byte-level BPE": chatml_bpe(Path(tmp) / "bpe")}  # fmt: skip
+        sources = {
+            "vllm-sim (WordPiece)": vocab.write(Path(tmp) / "sim"),
+            "ChatML byte-level BPE": chatml_bpe(Path(tmp) / "bpe"),
+        }
         report = {name: measure(source, chats) for name, source in sources.items()}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -152,8 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.conversations} conversations x {args.turns} turns; CPU per request, p50 (us)")
     print(f"{'tokenizer':24} {'tokens':>7} {'turn 1':>8} {'turns 2+ cached':>16} {'turns 2+ whole':>15}")
     for name, row in report.items():
-        print(f"{name:24} {row['last_turn_tokens']:>7} {row['first_turn_us']:>8} "
-              f"{row['later_turns_cached_us']:>16} {row['later_turns_whole_us']:>15}")  # fmt: skip
+        print(
+            f"{name:24} {row['last_turn_tokens']:>7} {row['first_turn_us']:>8} "
+            f"{row['later_turns_cached_us']:>16} {row['later_turns_whole_us']:>15}"
+        )
     return 0
 
 

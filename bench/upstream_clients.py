@@ -45,8 +45,9 @@ async def _transport_client(url: str, concurrency: int) -> tuple[Fetch, Callable
     head = b"content-type: application/json\r\n"
 
     async def fetch(body: bytes) -> int:
-        response = await transport.send(UpstreamRequest(origin=origin, path=b"/v1/completions", head=head,
-                                                        body=body, timeout=30, idle_timeout=30))  # fmt: skip
+        response = await transport.send(
+            UpstreamRequest(origin=origin, path=b"/v1/completions", head=head, body=body, timeout=30, idle_timeout=30)
+        )
         size = 0
         while chunk := await response.read():
             size += len(chunk)
@@ -109,8 +110,12 @@ async def _httpx_client(url: str, concurrency: int) -> tuple[Fetch, Callable[[],
     return fetch, client.aclose
 
 
-CLIENTS = {"transport": _transport_client, "httpcore": _httpcore_client, "aiohttp": _aiohttp_client,
-           "httpx": _httpx_client}  # fmt: skip
+CLIENTS = {
+    "transport": _transport_client,
+    "httpcore": _httpcore_client,
+    "aiohttp": _aiohttp_client,
+    "httpx": _httpx_client,
+}
 
 
 async def _phase(fetch: Fetch, body: bytes, requests: int, concurrency: int) -> tuple[float, float, int]:
@@ -132,8 +137,9 @@ async def _phase(fetch: Fetch, body: bytes, requests: int, concurrency: int) -> 
 async def _measure(name: str, url: str, args: dict[str, Any]) -> dict[str, Any]:
     fetch, close = await CLIENTS[name](url, args["concurrency"])
     plain = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 16}).encode()
-    stream = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": args["tokens"], "stream": True,
-                         "ignore_eos": True}).encode()  # fmt: skip
+    stream = json.dumps(
+        {"model": MODEL, "prompt": "hello there", "max_tokens": args["tokens"], "stream": True, "ignore_eos": True}
+    ).encode()
     await _phase(fetch, plain, 4 * args["concurrency"], args["concurrency"])  # warm-up: open the connections
     cpu, wall, _ = await _phase(fetch, plain, args["requests"], args["concurrency"])
     s_cpu, s_wall, _ = await _phase(fetch, stream, args["streams"], args["concurrency"])
@@ -178,8 +184,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [n for n in a.only.split(",") if n]
     two = len(os.sched_getaffinity(0)) >= 2
     with Fleet() as fleet:
-        node = fleet.start("node", "vllm_etcd_proxy.sim", ["--ttft", "0", "--itl", "0", "--max-num-seqs", "1024",
-                                           "--log-level", "warning"], "/health")  # fmt: skip
+        node = fleet.start(
+            "node",
+            "vllm_etcd_proxy.sim",
+            ["--ttft", "0", "--itl", "0", "--max-num-seqs", "1024", "--log-level", "warning"],
+            "/health",
+        )
         fleet.wait_ready()
         if two:
             os.sched_setaffinity(node.pid, {0})

@@ -158,8 +158,10 @@ def stable_card(card: Any) -> Any:
     found = {k: v for k, v in plain.items() if k != "created"}
     permissions = found.get("permission")
     if isinstance(permissions, list):
-        found["permission"] = [{k: v for k, v in p.items() if k not in VOLATILE_CARD_FIELDS}
-                               if isinstance(p, dict) else p for p in permissions]  # fmt: skip
+        found["permission"] = [
+            {k: v for k, v in p.items() if k not in VOLATILE_CARD_FIELDS} if isinstance(p, dict) else p
+            for p in permissions
+        ]
     return found
 
 

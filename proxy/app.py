@@ -66,8 +66,12 @@ CLIENT_PRUNE_INTERVAL = 30.0
 """Seconds between closing the idle connections of nodes that left."""
 
 
-def static_node(role: Role, address: str, models: tuple[str, ...], kv: tuple[str | None, str | None] = (None, None),
-                ) -> Node:  # fmt: skip
+def static_node(
+    role: Role,
+    address: str,
+    models: tuple[str, ...],
+    kv: tuple[str | None, str | None] = (None, None),
+) -> Node:
     """A node from a --prefill/--decode/--mixed flag: ``host:port`` or an http(s) URL; ``kv``: its --kv-events."""
     if "://" in address:
         url = validate_url(address)
@@ -75,8 +79,16 @@ def static_node(role: Role, address: str, models: tuple[str, ...], kv: tuple[str
     else:
         host, port = split_host_port(address)
         url, node_id = f"http://{host}:{port}", address
-    return Node(node_id=node_id, role=role, url=url, models=models, source=Source.STATIC, learn_models=not models,
-                kv_events=kv[0], kv_events_replay=kv[1])  # fmt: skip
+    return Node(
+        node_id=node_id,
+        role=role,
+        url=url,
+        models=models,
+        source=Source.STATIC,
+        learn_models=not models,
+        kv_events=kv[0],
+        kv_events_replay=kv[1],
+    )
 
 
 def error_response(exc: ProxyError) -> Response:
@@ -129,8 +141,11 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     registry.register(NodeCollector(pool))
     layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
     kv_flags = {node: (events, replay) for node, events, replay in settings.kv_events}
-    for role, addresses in ((Role.PREFILL, settings.prefill), (Role.DECODE, settings.decode),
-                            (Role.MIXED, settings.mixed)):  # fmt: skip
+    for role, addresses in (
+        (Role.PREFILL, settings.prefill),
+        (Role.DECODE, settings.decode),
+        (Role.MIXED, settings.mixed),
+    ):
         for address in addresses:
             try:
                 pool.add(static_node(role, address, settings.models, kv_flags.get(address, (None, None))))
@@ -157,8 +172,12 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     def kv_policy(name: str) -> KvAware:
         return KvAware(kv_routing, CacheAware())
 
-    policies = {role: kv_policy(name) if (name := chosen.get(role.value, DEFAULT_POLICIES[role.value])) == KV_AWARE
-                else make_policy(name) for role in Role}  # fmt: skip
+    policies = {
+        role: kv_policy(name)
+        if (name := chosen.get(role.value, DEFAULT_POLICIES[role.value])) == KV_AWARE
+        else make_policy(name)
+        for role in Role
+    }
     ejector = Ejector(pool, client, settings.ejection)
     forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
@@ -167,8 +186,11 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     keys = ClientKeys(settings.api_keys)
     tenancy = build_tenancy(settings, keys, registry, pool, etcd, layout)  # keys' tenants, limits, fair queue
     tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
-    prompt_tokens = PromptTokens(dict(settings.tokenizers), lambda model: [s.cards[model] for s in pool.serving(model)
-                                                                        if model in s.cards], registry)  # fmt: skip
+    prompt_tokens = PromptTokens(
+        dict(settings.tokenizers),
+        lambda model: [s.cards[model] for s in pool.serving(model) if model in s.cards],
+        registry,
+    )
     pool.on_node(prompt_tokens.node_seen)
     adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
     loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
@@ -188,21 +210,27 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
                 http.prune(live)
                 scrapes.prune(live)
 
-        tasks = [asyncio.create_task(prober.run(), name="model-prober"),
-                 asyncio.create_task(ejector.run(), name="ejection-prober"),
-                 asyncio.create_task(prune_connections(), name="connection-pruner"),
-                 asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag")]  # fmt: skip
+        tasks = [
+            asyncio.create_task(prober.run(), name="model-prober"),
+            asyncio.create_task(ejector.run(), name="ejection-prober"),
+            asyncio.create_task(prune_connections(), name="connection-pruner"),
+            asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag"),
+        ]
         if settings.scrape_load > 0:
             watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth, rate=settings.scrape_rate)
             tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
         if etcd is not None:
-            discovery = Discovery(etcd, layout, pool.apply_all, discovery_state,
-                                  sinks={ADAPTERS: adapters, **tenancy.sinks})  # fmt: skip
+            discovery = Discovery(
+                etcd, layout, pool.apply_all, discovery_state, sinks={ADAPTERS: adapters, **tenancy.sinks}
+            )
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         tasks += [asyncio.create_task(run(), name="tenancy") for run in tenancy.tasks]
         deadline = time.monotonic() + wait_ready
-        while (time.monotonic() < deadline and not lifecycle.shutting_down
-               and not_ready_reason(lifecycle, discovery_state, pool) is not None):  # fmt: skip
+        while (
+            time.monotonic() < deadline
+            and not lifecycle.shutting_down
+            and not_ready_reason(lifecycle, discovery_state, pool) is not None
+        ):
             await asyncio.sleep(0.05)
         try:
             yield
@@ -230,8 +258,13 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         scraped.register(NodeCollector(pool))
         scraped.register(KvCollector(kv_subscribers, kv_routing))
     routes = [
-        *InfoRoutes(pool=pool, discovery=discovery_state, registry=scraped, lifecycle=lifecycle,
-                    kv_view=KvView(kv_subscribers, kv_routing)).routes(),  # fmt: skip
+        *InfoRoutes(
+            pool=pool,
+            discovery=discovery_state,
+            registry=scraped,
+            lifecycle=lifecycle,
+            kv_view=KvView(kv_subscribers, kv_routing),
+        ).routes(),
         *AdminRoutes(
             pool=pool,
             client=client,
@@ -242,7 +275,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             metrics=metrics,
             allowed=settings.admin_allow,
             backend_auth=backend_auth,
-        ).routes(),  # fmt: skip
+        ).routes(),
         *ModelRoutes(pool, keys, adapters).routes(),
         *DashboardRoutes().routes(),
     ]
@@ -251,9 +284,20 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         lifespan=lifespan,
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
     )
-    openai = OpenAIRoutes(settings, pool, forwarder, metrics, ConcurrencyLimit(settings.max_concurrent),
-                          operator_app, keys=keys, websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
-                          affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-                          tracer=tracer, adapters=loader, tenancy=tenancy.tenancy, kv=kv_routing,
-                          prompt_ids=prompt_tokens.prompt_ids)  # fmt: skip
+    openai = OpenAIRoutes(
+        settings,
+        pool,
+        forwarder,
+        metrics,
+        ConcurrencyLimit(settings.max_concurrent),
+        operator_app,
+        keys=keys,
+        websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
+        affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
+        tracer=tracer,
+        adapters=loader,
+        tenancy=tenancy.tenancy,
+        kv=kv_routing,
+        prompt_ids=prompt_tokens.prompt_ids,
+    )
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)

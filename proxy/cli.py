@@ -126,10 +126,17 @@ def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
     # A worker (reuse_port) restarted beside running ones listens only once ready (or after WORKER_READY_WAIT s).
     app = build_app(settings, wait_ready=WORKER_READY_WAIT if reuse_port else 0.0)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, loop="uvloop", http="httptools", log_config=None,
-        access_log=False, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)), lifespan="on",
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)),
+        lifespan="on",
         server_header=False,
-    )  # fmt: skip
+    )
     sock = listening_socket(settings.host, settings.port, reuse_port=reuse_port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -153,8 +160,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             sys.exit(run_workers(settings, argv))
         except OSError as exc:
-            print(f"vllm-proxy: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"vllm-proxy: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}", file=sys.stderr
+            )
             sys.exit(1)
     serve(settings)
 

@@ -51,9 +51,17 @@ class ProxyError(Exception):
 
 ANTHROPIC_ROUTE = "/v1/messages"
 """vLLM serves Anthropic's Messages API here; the proxy's own errors on it use Anthropic's envelope."""
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 def anthropic_body(exc: ProxyError) -> dict[str, Any]:

@@ -35,97 +35,230 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd-prefix", default="/vllm", help="key prefix (default /vllm)")
     add("--cluster", default="default", help="cluster name under the prefix (default default)")
     for role in ("prefill", "decode", "mixed"):
-        add(f"--{role}", nargs="+", action="extend", default=[], metavar="HOST:PORT",
-            help=f"static {role} nodes (host:port or URL; repeatable)")  # fmt: skip
-    add("--kv-events", nargs="+", action="extend", default=[], metavar="NODE=ENDPOINT[,REPLAY]",
+        add(
+            f"--{role}",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="HOST:PORT",
+            help=f"static {role} nodes (host:port or URL; repeatable)",
+        )
+    add(
+        "--kv-events",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NODE=ENDPOINT[,REPLAY]",
         help="a static node's KV-cache event publisher, tcp://HOST:PORT, and optionally its replay socket "
-        "(NODE as given to --prefill/--decode/--mixed; repeatable)")  # fmt: skip
-    add("--model", nargs="+", action="extend", default=[], help="model(s) the static nodes serve "
-        "(default: ask each node's /v1/models)")  # fmt: skip
+        "(NODE as given to --prefill/--decode/--mixed; repeatable)",
+    )
+    add(
+        "--model",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="model(s) the static nodes serve (default: ask each node's /v1/models)",
+    )
     add("--admin-key", help="admin API key (also ADMIN_API_KEY); without one the admin API answers 403")
-    add("--admin-allow-cidr", nargs="+", action="extend", default=[], metavar="CIDR",
-        help="networks /instances/add may point at (repeatable; default any)")  # fmt: skip
-    add("--api-key", nargs="+", action="extend", default=[], help="client API key required on /v1/* (repeatable; "
-        "VLLM_PROXY_API_KEY takes a comma-separated list); default: open")  # fmt: skip
-    add("--api-key-file", help="client keys, one a line: KEY [tenant=NAME] [rpm=N] [tpm=N] [concurrency=N] "
-        "[priority=N] [share=N] (# comments allowed); reloaded on SIGHUP")  # fmt: skip
-    add("--queue-timeout", type=float, default=0.0, help="seconds a request may wait in the replica, queued fairly "
+    add(
+        "--admin-allow-cidr",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="CIDR",
+        help="networks /instances/add may point at (repeatable; default any)",
+    )
+    add(
+        "--api-key",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="client API key required on /v1/* (repeatable; "
+        "VLLM_PROXY_API_KEY takes a comma-separated list); default: open",
+    )
+    add(
+        "--api-key-file",
+        help="client keys, one a line: KEY [tenant=NAME] [rpm=N] [tpm=N] [concurrency=N] "
+        "[priority=N] [share=N] (# comments allowed); reloaded on SIGHUP",
+    )
+    add(
+        "--queue-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request may wait in the replica, queued fairly "
         "by tenant and priority, while every node of its model is full; then 503 (default 0: no queue, requests "
-        "go to the nodes' own queues)")  # fmt: skip
-    add("--queue-when-waiting", type=int, default=0, help="with --queue-timeout: a node whose scraped waiting "
+        "go to the nodes' own queues)",
+    )
+    add(
+        "--queue-when-waiting",
+        type=int,
+        default=0,
+        help="with --queue-timeout: a node whose scraped waiting "
         "queue holds N requests counts as full, as one this replica has --max-connections open on (default 0: "
-        "off)")  # fmt: skip
+        "off)",
+    )
     add("--backend-api-key", help="key sent to nodes started with vLLM's --api-key (default: pass the client's)")
     add("--max-concurrent-requests", type=int, default=0, help="in-flight requests before 503 (default 0: no limit)")
     add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
     add("--max-header-bytes", type=int, default=64 * 1024, help="largest request headers (default 64 KiB)")
     add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
-    add("--policy", choices=POLICY_NAMES, help="balancing policy for every role (default: kv-aware for prefill "
+    add(
+        "--policy",
+        choices=POLICY_NAMES,
+        help="balancing policy for every role (default: kv-aware for prefill "
         "and mixed nodes, which is cache-aware for nodes that publish no KV events; least-load for decode "
-        "nodes)")  # fmt: skip
+        "nodes)",
+    )
     for role in ("prefill", "decode", "mixed"):
-        add(f"--{role}-policy", choices=POLICY_NAMES, help=f"policy for {role} nodes (default: --policy, else "
-            f"{DEFAULT_POLICIES[role]})")  # fmt: skip
-    add("--affinity-header", default="x-session-id", help="session header for consistent-hash (default "
-        "x-session-id; without it: the body's user, else the prompt's start)")  # fmt: skip
-    add("--pd-min-prompt-tokens", type=int, default=0, help="for a prefill/decode model: a prompt with fewer new "
+        add(
+            f"--{role}-policy",
+            choices=POLICY_NAMES,
+            help=f"policy for {role} nodes (default: --policy, else {DEFAULT_POLICIES[role]})",
+        )
+    add(
+        "--affinity-header",
+        default="x-session-id",
+        help="session header for consistent-hash (default "
+        "x-session-id; without it: the body's user, else the prompt's start)",
+    )
+    add(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="for a prefill/decode model: a prompt with fewer new "
         "tokens than this (those no earlier request had, so no prefix cache holds) skips the prefill leg and goes "
-        "straight to a decode node (default 0: never)")  # fmt: skip
-    add("--tokenizer", action="append", default=[], metavar="MODEL=PATH_OR_HUB_ID", help="the tokenizer of MODEL "
+        "straight to a decode node (default 0: never)",
+    )
+    add(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=PATH_OR_HUB_ID",
+        help="the tokenizer of MODEL "
         "for routing on token ids: a directory with tokenizer.json (and tokenizer_config.json for the chat "
         "template), or a hub id (fetched at start); repeatable; default: the model card's root when it is such "
-        "a directory")  # fmt: skip
-    add("--scrape-load", type=float, default=0.5, help="seconds between scrapes of each node's /metrics (running "
-        "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)")  # fmt: skip
-    add("--scrape-rate", type=float, default=SCRAPE_RATE, help="load scrapes a second at most over all nodes, "
+        "a directory",
+    )
+    add(
+        "--scrape-load",
+        type=float,
+        default=0.5,
+        help="seconds between scrapes of each node's /metrics (running "
+        "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)",
+    )
+    add(
+        "--scrape-rate",
+        type=float,
+        default=SCRAPE_RATE,
+        help="load scrapes a second at most over all nodes, "
         "a fifth of them for nodes without traffic, new or failing (default 250: a node of a model in demand is "
-        "scraped every --scrape-load s up to 125 x --scrape-load such nodes, less often beyond)")  # fmt: skip
+        "scraped every --scrape-load s up to 125 x --scrape-load such nodes, less often beyond)",
+    )
     add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
-    add("--max-resumes", type=int, default=2, help="times a stream may go on from another node after its node "
-        "failed mid-way (default 2; 0: never, the stream ends with an error event)")  # fmt: skip
+    add(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a stream may go on from another node after its node "
+        "failed mid-way (default 2; 0: never, the stream ends with an error event)",
+    )
     add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default 5)")
     add("--prefill-timeout", type=float, default=300.0, help="seconds for the whole prefill leg (default 300)")
-    add("--first-byte-timeout", type=float, default=600.0, help="seconds until a node's response headers "
-        "(default 600; a non-streamed completion sends them when done)")  # fmt: skip
+    add(
+        "--first-byte-timeout",
+        type=float,
+        default=600.0,
+        help="seconds until a node's response headers (default 600; a non-streamed completion sends them when done)",
+    )
     add("--stream-idle-timeout", type=float, default=120.0, help="longest gap between chunks (default 120)")
-    add("--eject-after", type=int, default=3, help="consecutive failures that eject a node from this replica "
-        "(default 3; 0 disables)")  # fmt: skip
+    add(
+        "--eject-after",
+        type=int,
+        default=3,
+        help="consecutive failures that eject a node from this replica (default 3; 0 disables)",
+    )
     add("--eject-backoff", type=float, default=1.0, help="seconds before an ejected node's first probe (default 1)")
     add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default 30)")
-    add("--eject-probe-rate", type=float, default=EJECT_PROBE_RATE, help="probes of ejected nodes a second at most, "
-        "over all nodes (default 20)")  # fmt: skip
-    add("--shutdown-delay", type=float, default=0.0, help="seconds a replica reports not ready after SIGTERM "
-        "before it stops listening, for balancers that health-check /ready (default 0)")  # fmt: skip
-    add("--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests "
-        "(default 60)")  # fmt: skip
+    add(
+        "--eject-probe-rate",
+        type=float,
+        default=EJECT_PROBE_RATE,
+        help="probes of ejected nodes a second at most, over all nodes (default 20)",
+    )
+    add(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds a replica reports not ready after SIGTERM "
+        "before it stops listening, for balancers that health-check /ready (default 0)",
+    )
+    add(
+        "--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests (default 60)"
+    )
     add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
-    add("--models-probe-rate", type=float, default=MODELS_PROBE_RATE, help="/v1/models polls a second at most "
-        "over all nodes, half of them for refreshes and failing nodes (default 20)")  # fmt: skip
-    add("--max-connections", type=int, default=1000, help="connections open to one node at most; more "
-        "requests wait for one (default 1000)")  # fmt: skip
+    add(
+        "--models-probe-rate",
+        type=float,
+        default=MODELS_PROBE_RATE,
+        help="/v1/models polls a second at most "
+        "over all nodes, half of them for refreshes and failing nodes (default 20)",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="connections open to one node at most; more requests wait for one (default 1000)",
+    )
     add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
-    add("--etcd-dead-after", type=float, default=DEAD_AFTER, help="seconds of silence after which the etcd watch "
+    add(
+        "--etcd-dead-after",
+        type=float,
+        default=DEAD_AFTER,
+        help="seconds of silence after which the etcd watch "
         "counts as dead (a silent partition) and reconnects, to another endpoint if there are several; it asks "
-        "etcd for progress every third of this (default 3)")  # fmt: skip
-    add("--etcd-burst-pause", type=float, default=BURST_PAUSE, help="seconds the etcd watch stops listening "
+        "etcd for progress every third of this (default 3)",
+    )
+    add(
+        "--etcd-burst-pause",
+        type=float,
+        default=BURST_PAUSE,
+        help="seconds the etcd watch stops listening "
         "in a burst of changes (over 128 a second) before it asks again from its last revision, so etcd sends what "
         "came meanwhile in one message instead of one per change; changes are late by up to this plus 0.1 s in a "
-        "burst only (default 0.2; 0: never)")  # fmt: skip
-    add("--etcd-keepalive-time", type=float, default=10.0, help="seconds between gRPC pings on a busy etcd "
-        "connection, 5 or more: etcd refuses faster pings (default 10)")  # fmt: skip
-    add("--etcd-keepalive-timeout", type=float, default=5.0, help="seconds to wait for a ping's answer before "
-        "gRPC drops the connection (default 5)")  # fmt: skip
+        "burst only (default 0.2; 0: never)",
+    )
+    add(
+        "--etcd-keepalive-time",
+        type=float,
+        default=10.0,
+        help="seconds between gRPC pings on a busy etcd connection, 5 or more: etcd refuses faster pings (default 10)",
+    )
+    add(
+        "--etcd-keepalive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for a ping's answer before gRPC drops the connection (default 5)",
+    )
     add("--etcd-cacert", help="CA bundle to verify etcd's TLS certificate")
     add("--etcd-cert", help="client certificate for etcd")
     add("--etcd-key", help="client key for etcd")
     add("--etcd-user", help="etcd user name")
     add("--etcd-password", help="etcd password (prefer VLLM_PROXY_ETCD_PASSWORD or --etcd-password-file)")
     add("--etcd-password-file", help="file whose first line is the etcd password")
-    add("--workers", type=int, default=1, help="processes serving the port, each with its own etcd watch and "
-        "pools; use one per core the replica may use (default 1)")  # fmt: skip
-    add("--otlp-traces-endpoint", metavar="URL", help="send OpenTelemetry traces there, OTLP over HTTP (a span per "
+    add(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes serving the port, each with its own etcd watch and "
+        "pools; use one per core the replica may use (default 1)",
+    )
+    add(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send OpenTelemetry traces there, OTLP over HTTP (a span per "
         "request, a child per leg; as vLLM's flag; a bare host:port gets /v1/traces; default "
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off); needs pip install 'vllm-etcd-proxy[otel]'")  # fmt: skip
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off); needs pip install 'vllm-etcd-proxy[otel]'",
+    )
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
     return p
 
@@ -145,33 +278,69 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
-            endpoints=parse_endpoints(args.etcd), timeout=args.etcd_timeout, dead_after=args.etcd_dead_after,
+            endpoints=parse_endpoints(args.etcd),
+            timeout=args.etcd_timeout,
+            dead_after=args.etcd_dead_after,
             burst_pause=args.etcd_burst_pause,
-            keepalive_time=args.etcd_keepalive_time, keepalive_timeout=args.etcd_keepalive_timeout,
-            cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key, user=args.etcd_user,
+            keepalive_time=args.etcd_keepalive_time,
+            keepalive_timeout=args.etcd_keepalive_timeout,
+            cacert=args.etcd_cacert,
+            cert=args.etcd_cert,
+            key=args.etcd_key,
+            user=args.etcd_user,
             password=read_password(args.etcd_password, args.etcd_password_file),
-        )  # fmt: skip
+        )
     return ProxySettings(
-        host=args.host, port=args.port, etcd=etcd, etcd_prefix=args.etcd_prefix, cluster=args.cluster,
-        prefill=tuple(args.prefill), decode=tuple(args.decode), mixed=tuple(args.mixed), models=tuple(args.model),
-        admin_key=args.admin_key or None, admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
-        api_keys=tuple(args.api_key), api_key_file=args.api_key_file or None, queue_timeout=args.queue_timeout,
-        queue_when_waiting=args.queue_when_waiting, backend_api_key=args.backend_api_key or None,
-        max_concurrent=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+        host=args.host,
+        port=args.port,
+        etcd=etcd,
+        etcd_prefix=args.etcd_prefix,
+        cluster=args.cluster,
+        prefill=tuple(args.prefill),
+        decode=tuple(args.decode),
+        mixed=tuple(args.mixed),
+        models=tuple(args.model),
+        admin_key=args.admin_key or None,
+        admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
+        api_keys=tuple(args.api_key),
+        api_key_file=args.api_key_file or None,
+        queue_timeout=args.queue_timeout,
+        queue_when_waiting=args.queue_when_waiting,
+        backend_api_key=args.backend_api_key or None,
+        max_concurrent=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
         max_header_bytes=args.max_header_bytes,
-        policies=tuple((r, getattr(args, f"{r}_policy") or args.policy or DEFAULT_POLICIES[r])
-                       for r in ("prefill", "decode", "mixed")),
-        max_attempts=args.max_attempts, max_resumes=args.max_resumes,
+        policies=tuple(
+            (r, getattr(args, f"{r}_policy") or args.policy or DEFAULT_POLICIES[r])
+            for r in ("prefill", "decode", "mixed")
+        ),
+        max_attempts=args.max_attempts,
+        max_resumes=args.max_resumes,
         affinity_header=args.affinity_header.lower(),
-        scrape_load=args.scrape_load, pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        scrape_load=args.scrape_load,
+        pd_min_prompt_tokens=args.pd_min_prompt_tokens,
         tokenizers=tuple(tokenizer_flag(spec) for spec in args.tokenizer),
-        timeouts=TimeoutSettings(connect=args.connect_timeout, prefill=args.prefill_timeout,
-                                 first_byte=args.first_byte_timeout, stream_idle=args.stream_idle_timeout),
-        ejection=EjectionSettings(after=args.eject_after, base_backoff=args.eject_backoff,
-                                  max_backoff=args.eject_max_backoff, probe_rate=args.eject_probe_rate),
-        shutdown_timeout=args.shutdown_timeout, shutdown_delay=args.shutdown_delay,
-        models_refresh=args.models_refresh, models_probe_rate=args.models_probe_rate, scrape_rate=args.scrape_rate,
-        max_connections=args.max_connections, log_level=args.log_level, workers=args.workers,
+        timeouts=TimeoutSettings(
+            connect=args.connect_timeout,
+            prefill=args.prefill_timeout,
+            first_byte=args.first_byte_timeout,
+            stream_idle=args.stream_idle_timeout,
+        ),
+        ejection=EjectionSettings(
+            after=args.eject_after,
+            base_backoff=args.eject_backoff,
+            max_backoff=args.eject_max_backoff,
+            probe_rate=args.eject_probe_rate,
+        ),
+        shutdown_timeout=args.shutdown_timeout,
+        shutdown_delay=args.shutdown_delay,
+        models_refresh=args.models_refresh,
+        models_probe_rate=args.models_probe_rate,
+        scrape_rate=args.scrape_rate,
+        max_connections=args.max_connections,
+        log_level=args.log_level,
+        workers=args.workers,
         otlp_traces_endpoint=traces_endpoint(args.otlp_traces_endpoint),
         kv_events=kv_event_flags(args.kv_events),
-    )  # fmt: skip
+    )

@@ -64,8 +64,7 @@ class ProxySettings:
     """Key sent to nodes started with vLLM's --api-key; None passes the client's Authorization through."""
     max_concurrent: int = 0
     """Proxied requests in flight on this replica before new ones get 503 + Retry-After; 0 = no limit."""
-    policies: tuple[tuple[str, str], ...] = (("prefill", "kv-aware"), ("decode", "least-load"),
-                                             ("mixed", "kv-aware"))  # fmt: skip
+    policies: tuple[tuple[str, str], ...] = (("prefill", "kv-aware"), ("decode", "least-load"), ("mixed", "kv-aware"))
     """(role, policy) for each role: affinity where a prefix cache saves work (by the nodes' KV events where they
     publish them, else by content), load where it does not."""
     affinity_header: str = "x-session-id"

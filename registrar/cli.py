@@ -58,21 +58,35 @@ def build_parser() -> argparse.ArgumentParser:
     add("--health-timeout", metavar="S", help="seconds one probe request may take (default: 2)")
     add("--unhealthy-after", metavar="N", help="failed checks in a row before withdrawal (default: 3)")
     add("--etcd-timeout", metavar="S", help="seconds per etcd request and for the first connect (default: 5)")
-    add("--etcd-dead-after", metavar="S", help="seconds without an answer after which the lease keep-alive (or "
+    add(
+        "--etcd-dead-after",
+        metavar="S",
+        help="seconds without an answer after which the lease keep-alive (or "
         "the key's watch) counts as dead (a silent partition) and reconnects, to another endpoint if there are "
-        f"several; the lease is refreshed every third of this at least (default: {DEAD_AFTER:g})")  # fmt: skip
-    add("--etcd-keepalive-time", metavar="S", help="seconds between gRPC pings on a busy etcd connection, 5 or "
-        "more: etcd refuses faster pings (default: 10)")  # fmt: skip
-    add("--etcd-keepalive-timeout", metavar="S", help="seconds to wait for a ping's answer before gRPC drops the "
-        "connection (default: 5)")  # fmt: skip
+        f"several; the lease is refreshed every third of this at least (default: {DEAD_AFTER:g})",
+    )
+    add(
+        "--etcd-keepalive-time",
+        metavar="S",
+        help="seconds between gRPC pings on a busy etcd connection, 5 or more: etcd refuses faster pings (default: 10)",
+    )
+    add(
+        "--etcd-keepalive-timeout",
+        metavar="S",
+        help="seconds to wait for a ping's answer before gRPC drops the connection (default: 5)",
+    )
     add("--etcd-cacert", metavar="FILE", help="CA bundle to verify etcd's server certificate")
     add("--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add("--etcd-key", metavar="FILE", help="private key of --etcd-cert")
     add("--etcd-user", metavar="USER", help="etcd user")
     add("--etcd-password", metavar="PW", help="etcd password (prefer the environment or a file)")
     add("--etcd-password-file", metavar="FILE", help="file whose first line is the etcd password")
-    add("--kv-events", metavar="ENDPOINT", help="tcp://HOST:PORT where the node publishes its KV-cache events "
-        "(vLLM's --kv-events-config endpoint); in wrapper mode read from the child's --kv-events-config")  # fmt: skip
+    add(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="tcp://HOST:PORT where the node publishes its KV-cache events "
+        "(vLLM's --kv-events-config endpoint); in wrapper mode read from the child's --kv-events-config",
+    )
     add("--kv-events-replay", metavar="ENDPOINT", help="tcp://HOST:PORT of that publisher's replay socket")
     add("--log-level", metavar="LEVEL", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
     return p
@@ -157,11 +171,13 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
             timeout=_number(args.etcd_timeout, "--etcd-timeout", 5.0, low=0.1, high=300),
             dead_after=_number(args.etcd_dead_after, "--etcd-dead-after", DEAD_AFTER, low=0.3, high=600),
             keepalive_time=_number(args.etcd_keepalive_time, "--etcd-keepalive-time", 10.0, low=5, high=3600),
-            keepalive_timeout=_number(args.etcd_keepalive_timeout, "--etcd-keepalive-timeout", 5.0, low=0.1,
-                                      high=600),  # fmt: skip
-            cacert=args.etcd_cacert, cert=args.etcd_cert, key=args.etcd_key,
-            user=args.etcd_user, password=password,
-        )  # fmt: skip
+            keepalive_timeout=_number(args.etcd_keepalive_timeout, "--etcd-keepalive-timeout", 5.0, low=0.1, high=600),
+            cacert=args.etcd_cacert,
+            cert=args.etcd_cert,
+            key=args.etcd_key,
+            user=args.etcd_user,
+            password=password,
+        )
     except ValueError as exc:
         raise UsageError(f"--etcd: {exc}") from None
     for flag, path in (("--etcd-cacert", etcd.cacert), ("--etcd-cert", etcd.cert), ("--etcd-key", etcd.key)):

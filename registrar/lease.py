@@ -146,8 +146,9 @@ class Registration:
                 await asyncio.wait_for(asyncio.shield(self._revoke_all()), REVOKE_TIMEOUT)
             except (EtcdError, TimeoutError) as exc:
                 reason = str(exc) or f"etcd unreachable for {REVOKE_TIMEOUT:g}s"
-                logger.warning("lease revoke failed key=%s error=%s; the key expires within ttl=%ds", self._key,
-                               reason, self._ttl)  # fmt: skip
+                logger.warning(
+                    "lease revoke failed key=%s error=%s; the key expires within ttl=%ds", self._key, reason, self._ttl
+                )
 
     async def _revoke_all(self) -> None:
         """Revoke every lease we hold; retry while etcd is unreachable (the caller bounds the time)."""
@@ -184,13 +185,22 @@ class Registration:
                     group.create_task(self._write_forever(lease))
                     group.create_task(self._watch_forever(lease))
             except* LeaseLost as lost:
-                logger.warning("lease lost key=%s lease=%x error=%s; registering again when etcd answers",
-                               self._key, lease, lost.exceptions[0])  # fmt: skip
+                logger.warning(
+                    "lease lost key=%s lease=%x error=%s; registering again when etcd answers",
+                    self._key,
+                    lease,
+                    lost.exceptions[0],
+                )
             except* EtcdError as failed:
                 # Only keep_alive lets these out (the other two retry): a refused keepalive, e.g. lost auth.
                 delay = backoff.delay()
-                logger.warning("etcd lease keepalive failed key=%s lease=%x retry_in=%.1fs error=%s", self._key,
-                               lease, delay, failed.exceptions[0])  # fmt: skip
+                logger.warning(
+                    "etcd lease keepalive failed key=%s lease=%x retry_in=%.1fs error=%s",
+                    self._key,
+                    lease,
+                    delay,
+                    failed.exceptions[0],
+                )
                 await asyncio.sleep(delay)
             self._lease, self._present = 0, False
             # Revoked once the next session has put the key; they expire anyway, so a few are enough to remember.
@@ -273,5 +283,9 @@ class Registration:
             if await self._client.time_to_live(lease) <= 0:
                 raise LeaseLost(f"key {self._key} deleted with its lease {lease:x}")
             self._removed, self._present = True, False
-            logger.warning("key removed by someone else while lease %x is alive (an operator?) key=%s; "
-                           "staying deregistered until the registrar restarts", lease, self._key)  # fmt: skip
+            logger.warning(
+                "key removed by someone else while lease %x is alive (an operator?) key=%s; "
+                "staying deregistered until the registrar restarts",
+                lease,
+                self._key,
+            )

@@ -89,8 +89,10 @@ class Runner:
                 # Fails now, not after the node is up, when our user may not touch the key.
                 await self._first_read(client)
             except EtcdAuthError as exc:
-                raise StartupError(f"etcd refused us: {exc} (check --etcd-user, the password and the user's "
-                                   f"role on {self._settings.key})") from None  # fmt: skip
+                raise StartupError(
+                    f"etcd refused us: {exc} (check --etcd-user, the password and the user's "
+                    f"role on {self._settings.key})"
+                ) from None
             except EtcdError as exc:
                 raise StartupError(f"cannot connect to etcd: {exc}") from None
             try:
@@ -122,9 +124,12 @@ class Runner:
         logger.info("registrar starting key=%s url=%s ttl=%d wrapper=%s", s.key, s.url, s.ttl, bool(s.command))
         if s.ttl <= s.etcd.lease_bound:
             # The lease can go this long unrefreshed beyond a partition itself (see EtcdSettings.lease_bound).
-            logger.warning("ttl=%d is short: not above %.1fs (--etcd-dead-after + a third), so even a short etcd "
-                           "hiccup or partition can drop the key until etcd answers again", s.ttl,
-                           s.etcd.lease_bound)  # fmt: skip
+            logger.warning(
+                "ttl=%d is short: not above %.1fs (--etcd-dead-after + a third), so even a short etcd "
+                "hiccup or partition can drop the key until etcd answers again",
+                s.ttl,
+                s.etcd.lease_bound,
+            )
         if self._stop.is_set():
             return 0  # told to stop before anything started
         if s.command:
@@ -154,10 +159,17 @@ class Runner:
             return
         models, version = ready
         record = NodeRecord(
-            url=s.url, role=s.role.value, models=models, status=Status.SERVING.value, labels=dict(s.labels),
-            version=version, registered_at=_now_rfc3339(), source="registrar",
-            kv_events=s.kv_events or "", kv_events_replay=s.kv_events_replay or "",
-        )  # fmt: skip
+            url=s.url,
+            role=s.role.value,
+            models=models,
+            status=Status.SERVING.value,
+            labels=dict(s.labels),
+            version=version,
+            registered_at=_now_rfc3339(),
+            source="registrar",
+            kv_events=s.kv_events or "",
+            kv_events_replay=s.kv_events_replay or "",
+        )
         set_cards(record, probe.cards)
         registration = Registration(client, key=s.key, ttl=s.ttl, record=record)
         registration.start()
@@ -208,15 +220,21 @@ class Runner:
                 failures += 1
                 if failures == s.unhealthy_after:
                     registration.set_withdrawn(True)
-                    logger.warning("node unhealthy, withdrawn url=%s failures=%d reason=%s operator_removed=%s",
-                                   s.url, failures, exc, registration.removed_by_operator)  # fmt: skip
+                    logger.warning(
+                        "node unhealthy, withdrawn url=%s failures=%d reason=%s operator_removed=%s",
+                        s.url,
+                        failures,
+                        exc,
+                        registration.removed_by_operator,
+                    )
                 elif failures < s.unhealthy_after:
                     logger.info("health check failed url=%s failures=%d reason=%s", s.url, failures, exc)
                 continue
             if failures >= s.unhealthy_after:
                 registration.set_withdrawn(False)
-                logger.info("node healthy again, restored url=%s operator_removed=%s", s.url,
-                            registration.removed_by_operator)  # fmt: skip
+                logger.info(
+                    "node healthy again, restored url=%s operator_removed=%s", s.url, registration.removed_by_operator
+                )
             failures = 0
             if s.models is None:
                 models = await self._follow_models(probe, registration, models)
@@ -244,8 +262,7 @@ class Runner:
         s = self._settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.drain_timeout
-        logger.info("draining on signal=%s key=%s drain_timeout=%.1fs", self._signals[0].name, s.key,
-                    s.drain_timeout)  # fmt: skip
+        logger.info("draining on signal=%s key=%s drain_timeout=%.1fs", self._signals[0].name, s.key, s.drain_timeout)
         registration.set_status(Status.DRAINING)
         marked = asyncio.ensure_future(registration.wait_applied(s.drain_timeout))
         settled: float | None = None
@@ -270,8 +287,13 @@ class Runner:
                     logger.info("drained url=%s", s.url)
                     return
                 if now >= deadline:
-                    logger.warning("drain timeout after %.1fs url=%s load=%s marked=%s", s.drain_timeout, s.url,
-                                   load, settled is not None)  # fmt: skip
+                    logger.warning(
+                        "drain timeout after %.1fs url=%s load=%s marked=%s",
+                        s.drain_timeout,
+                        s.url,
+                        load,
+                        settled is not None,
+                    )
                     return
                 pending = () if marked.done() else (marked,)
                 await _wait_any((self._hurry, self._child_gone), min(DRAIN_POLL, deadline - now), *pending)

@@ -34,8 +34,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
 def anthropic_error(exc: ApiError) -> JSONResponse:
-    return JSONResponse({"type": "error", "error": {"type": exc.type, "message": exc.message}},
-                        status_code=exc.status)  # fmt: skip
+    return JSONResponse({"type": "error", "error": {"type": exc.type, "message": exc.message}}, status_code=exc.status)
 
 
 def _messages(body: dict[str, Any]) -> list[tuple[str, str]]:
@@ -77,8 +76,9 @@ async def messages(request: Request) -> Response:
         return anthropic_error(exc)
     record.id = f"chatcmpl-{record.request_id or uuid.uuid4().hex}"
     answer = tokens.complete(prompt, max_tokens=max_tokens, output_len=engine.knobs.output_len)
-    job = Job(record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False)  # fmt: skip
+    job = Job(
+        record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason, kv_loaded=False
+    )
     name = engine.model_name(record.model)
     if record.stream:
         return SSEResponse(lambda start: _stream(engine, job, name, start), engine, record, {})
@@ -86,12 +86,17 @@ async def messages(request: Request) -> Response:
     async def collect() -> Response:
         async with aclosing(engine.generate(job)) as stream:
             out = [token async for token in stream]
-        return JSONResponse({
-            "id": record.id, "type": "message", "role": "assistant",
-            "content": [{"type": "text", "text": tokens.decode(out)}] if out else [], "model": name,
-            "stop_reason": STOP_REASONS.get(job.finished_as),
-            "usage": {"input_tokens": len(prompt), "output_tokens": len(out)},
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "id": record.id,
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "text", "text": tokens.decode(out)}] if out else [],
+                "model": name,
+                "stop_reason": STOP_REASONS.get(job.finished_as),
+                "usage": {"input_tokens": len(prompt), "output_tokens": len(out)},
+            }
+        )
 
     return await answer_whole(engine, record, collect(), request.receive, on_error=anthropic_error)
 
@@ -100,9 +105,15 @@ async def _stream(engine: Engine, job: Job, model: str, start: Callable[[], Awai
     record = job.record
     usage = {"input_tokens": record.prompt_tokens, "output_tokens": 0}
     message: dict[str, Any] = {
-        "id": record.id, "type": "message", "role": "assistant", "content": [], "model": model, "stop_reason": None,
-        "stop_sequence": None, "usage": usage,
-    }  # fmt: skip
+        "id": record.id,
+        "type": "message",
+        "role": "assistant",
+        "content": [],
+        "model": model,
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
     try:
         async with aclosing(engine.generate(job, on_accept=start)) as stream:
             first = True
@@ -111,15 +122,19 @@ async def _stream(engine: Engine, job: Job, model: str, start: Callable[[], Awai
                     yield _event("message_start", message=message)
                     yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
                     first = False
-                yield _event("content_block_delta", index=0, delta={"type": "text_delta",
-                                                                   "text": tokens.token_text(token)})  # fmt: skip
+                yield _event(
+                    "content_block_delta", index=0, delta={"type": "text_delta", "text": tokens.token_text(token)}
+                )
         if first:
             yield _event("message_start", message=message)
         else:
             yield _event("content_block_stop", index=0)
         stop = STOP_REASONS.get(job.finished_as)
-        yield _event("message_delta", delta={"stop_reason": stop},
-                     usage={"input_tokens": record.prompt_tokens, "output_tokens": record.completion_tokens})
+        yield _event(
+            "message_delta",
+            delta={"stop_reason": stop},
+            usage={"input_tokens": record.prompt_tokens, "output_tokens": record.completion_tokens},
+        )
         yield _event("message_stop")
     except ApiError as exc:
         yield _event("error", error={"type": exc.type, "message": exc.message})

@@ -69,14 +69,20 @@ async def _generate(request: Request, kind: Kind) -> Response:
     # A prefill leg computes the prompt and one token (the decode leg's first token too, the answer being a
     # function of the context).
     answer = tokens.complete(
-        req.prompt_ids, max_tokens=1 if leg.prefill else req.max_tokens, output_len=engine.knobs.output_len,
+        req.prompt_ids,
+        max_tokens=1 if leg.prefill else req.max_tokens,
+        output_len=engine.knobs.output_len,
         ignore_eos=req.ignore_eos,
-    )  # fmt: skip
+    )
     job = Job(
-        record=record, prompt=req.prompt_ids, tokens=answer.tokens, finish_reason=answer.finish_reason,
-        kv_loaded=leg.pulled_from is not None, cache_salt=record.cache_salt,
+        record=record,
+        prompt=req.prompt_ids,
+        tokens=answer.tokens,
+        finish_reason=answer.finish_reason,
+        kv_loaded=leg.pulled_from is not None,
+        cache_salt=record.cache_salt,
         adapter=req.model if req.model in engine.loras else None,
-    )  # fmt: skip
+    )
     record.prefill = leg.pulled_from
     headers = {"x-sim-prefill-engine": leg.pulled_from["remote_engine_id"]} if leg.pulled_from else {}
     if engine.knobs.set_cookie:
@@ -153,8 +159,9 @@ async def load(request: Request) -> Response:
 async def models(request: Request) -> Response:
     engine = engine_of(request)
     settings = engine.settings
-    return JSONResponse(model_list(settings.models, settings.max_model_len, settings.root, engine.loras,
-                                   engine.adapters.parents))  # fmt: skip
+    return JSONResponse(
+        model_list(settings.models, settings.max_model_len, settings.root, engine.loras, engine.adapters.parents)
+    )
 
 
 async def metrics(request: Request) -> Response:
@@ -218,10 +225,15 @@ async def sim_config(request: Request) -> Response:
         except ValueError as exc:
             raise bad_request(str(exc)) from None
     settings = engine.settings
-    return JSONResponse({
-        "node_id": settings.name, "role": str(settings.role), "engine_id": settings.engine_id,
-        "models": list(settings.models), **vars(engine.knobs),
-    })  # fmt: skip
+    return JSONResponse(
+        {
+            "node_id": settings.name,
+            "role": str(settings.role),
+            "engine_id": settings.engine_id,
+            "models": list(settings.models),
+            **vars(engine.knobs),
+        }
+    )
 
 
 async def sim_requests(request: Request) -> Response:
@@ -274,6 +286,7 @@ def create_app(settings: SimSettings) -> Starlette:
         *(admin.LORA_ROUTES if settings.runtime_lora_updating else ()),
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         publisher = engine.kv_events

@@ -95,8 +95,9 @@ async def _speech_to_text(request: Request, task: str) -> Response:
     record.prompt_tokens, record.max_tokens = len(prompt), max_tokens
     rid = f"{task}-{record.request_id or uuid.uuid4().hex}"
     record.id = rid
-    job = Job(record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False)  # fmt: skip
+    job = Job(
+        record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason, kv_loaded=False
+    )
     if record.stream:
         obj = "transcription.chunk" if task == "transcribe" else "translation.chunk"
         return SSEResponse(lambda start: _stream(engine, job, form, rid, obj, start), engine, record, {})
@@ -123,8 +124,11 @@ async def _stream(
 
     def use() -> dict[str, int]:
         done = record.completion_tokens
-        return {"prompt_tokens": record.prompt_tokens, "total_tokens": record.prompt_tokens + done,
-                "completion_tokens": done}  # fmt: skip
+        return {
+            "prompt_tokens": record.prompt_tokens,
+            "total_tokens": record.prompt_tokens + done,
+            "completion_tokens": done,
+        }
 
     try:
         async with aclosing(engine.generate(job, on_accept=start)) as stream:

@@ -34,60 +34,84 @@ def _parser() -> argparse.ArgumentParser:
     add("--host", str, defaults.host, "listen address")
     add("--port", int, defaults.port, "listen port")
     parser.add_argument(
-        "--model", action="append", default=None,
+        "--model",
+        action="append",
+        default=None,
         help="served model name, repeatable; the first names responses and metrics (default sim-model; "
         "VLLM_SIM_MODEL takes a comma-separated list)",
-    )  # fmt: skip
+    )
     add("--model-root", str, defaults.model_root, "the model path vLLM would serve (root of the base model cards)")
     parser.add_argument(
-        "--tokenizer", default="", metavar="DIR", help="encode with the Hugging Face tokenizer in DIR, written "
+        "--tokenizer",
+        default="",
+        metavar="DIR",
+        help="encode with the Hugging Face tokenizer in DIR, written "
         "there if missing (a router can load it; the default root of the model cards)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--write-tokenizer", default="", metavar="DIR", help="write the simulator's Hugging Face tokenizer "
+        "--write-tokenizer",
+        default="",
+        metavar="DIR",
+        help="write the simulator's Hugging Face tokenizer "
         "directory (tokenizer.json, tokenizer_config.json with the chat template) to DIR and exit",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--lora", action="append", default=None, metavar="NAME[=PATH]",
+        "--lora",
+        action="append",
+        default=None,
+        metavar="NAME[=PATH]",
         help="serve a LoRA adapter beside the base model (repeatable; VLLM_SIM_LORA takes a comma-separated list)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--lora-modules", action="append", nargs="+", default=None, metavar="NAME=PATH|JSON",
-        help="vLLM's form: NAME=PATH or '{\"name\": N, \"path\": P, \"base_model_name\": B}' (needs --enable-lora)",
-    )  # fmt: skip
+        "--lora-modules",
+        action="append",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH|JSON",
+        help='vLLM\'s form: NAME=PATH or \'{"name": N, "path": P, "base_model_name": B}\' (needs --enable-lora)',
+    )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
     add("--max-loras", int, defaults.max_loras, "adapters in one batch; a request for one more waits")
     add("--lora-swap-time", float, defaults.lora_swap_time, "seconds an adapter swapped into a slot adds to TTFT")
     add("--lora-load-time", float, defaults.lora_load_time, "seconds POST /v1/load_lora_adapter takes")
     add("--lora-load-fail", int, defaults.lora_load_fail, "status every adapter load fails with (0: none)")
     parser.add_argument(
-        "--scaling", action="store_true", help="answer everything 503 as a vLLM scaling its elastic EP does",
-    )  # fmt: skip
+        "--scaling",
+        action="store_true",
+        help="answer everything 503 as a vLLM scaling its elastic EP does",
+    )
     add("--role", str, str(defaults.role), "prefill, decode or mixed (mixed ignores kv_transfer_params)")
     add("--node-id", str, defaults.node_id, "node id (default host:port)")
     add("--ttft", float, defaults.ttft, "seconds to the first token")
     add("--itl", float, defaults.itl, "seconds between tokens")
     add(
-        "--prefill-per-token", float, defaults.prefill_per_token,
+        "--prefill-per-token",
+        float,
+        defaults.prefill_per_token,
         "seconds added to --ttft per prompt token not found in the prefix cache",
-    )  # fmt: skip
+    )
     add(
-        "--batch-slowdown", float, defaults.batch_slowdown,
+        "--batch-slowdown",
+        float,
+        defaults.batch_slowdown,
         "each other running sequence makes a prefill or token gap this fraction longer (0: load changes nothing)",
-    )  # fmt: skip
+    )
     add("--output-len", int, defaults.output_len, "answer length before a simulated EOS when max_tokens allows")
     add("--max-num-seqs", int, defaults.max_num_seqs, "concurrent sequences; more wait in a FIFO queue")
     add("--fail-rate", float, defaults.fail_rate, "fraction of requests answered with --fail-status")
     add("--fail-status", int, defaults.fail_status, "status of injected failures (500, 503, 429...)")
     add("--fail-after-tokens", int, defaults.fail_after_tokens, "fail every generation after N tokens (0: never)")
     parser.add_argument(
-        "--hang", action="store_true",
+        "--hang",
+        action="store_true",
         help="accept inference requests but never answer them",
-    )  # fmt: skip
+    )
     add(
-        "--hang-after-tokens", int, defaults.hang_after_tokens,
+        "--hang-after-tokens",
+        int,
+        defaults.hang_after_tokens,
         "every generation stops sending, without closing, after N tokens (0: never)",
-    )  # fmt: skip
+    )
     add("--startup-delay", float, defaults.startup_delay, "seconds /health answers 503 after start")
     add("--unhealthy-file", str, "", "while this file exists /health answers 503")
     add("--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
@@ -130,10 +154,13 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         parser.error(f"--role must be one of {', '.join(Role)}")
     if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
         parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
-    if args.block_size < 1 or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens,
-                                  args.batch_slowdown) < 0:  # fmt: skip
-        parser.error("need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, "
-                     "--batch-slowdown >= 0")  # fmt: skip
+    if (
+        args.block_size < 1
+        or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown) < 0
+    ):
+        parser.error(
+            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown >= 0"
+        )
     try:
         KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
     except ValueError as exc:
@@ -212,8 +239,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger(__name__).info(
         "vllm-sim starting node_id=%s role=%s models=%s engine_id=%s",
-        settings.name, settings.role, ",".join(settings.models), settings.engine_id,
-    )  # fmt: skip
+        settings.name,
+        settings.role,
+        ",".join(settings.models),
+        settings.engine_id,
+    )
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -99,8 +99,9 @@ class Engine:
         self._knobs_changed = asyncio.Event()
         config = KvEventsConfig.parse(settings.kv_events_config) if settings.kv_events_config else None
         self.kv_events = Publisher(config, self.knobs, settings.block_size) if config is not None else None
-        self.cache = PrefixCache(block_size=settings.block_size, capacity=settings.cache_blocks,
-                                 listener=self.kv_events)  # fmt: skip
+        self.cache = PrefixCache(
+            block_size=settings.block_size, capacity=settings.cache_blocks, listener=self.kv_events
+        )
         self._next_block = 1
         self.hung = 0
         self.encode: tokens.Encoder = HfVocab(settings.tokenizer).encode if settings.tokenizer else tokens.encode
@@ -227,9 +228,11 @@ class Engine:
                 self.counters["prefix_cache_queries"] = self.cache.queries
                 self.counters["prefix_cache_hits"] = self.cache.hits
                 uncached = len(job.prompt) - lease.hit_tokens
-                await asyncio.sleep(self._batched(
-                    self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
-                ))  # fmt: skip
+                await asyncio.sleep(
+                    self._batched(
+                        self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
+                    )
+                )
                 self.counters["prompt_tokens"] += record.prompt_tokens
                 last = time.monotonic()
                 self.latencies.ttft.observe(last - arrived)
@@ -292,9 +295,15 @@ class Engine:
         logger.info(
             "request id=%s request_id=%s path=%s status=%s state=%s prompt_tokens=%d cached_tokens=%d "
             "completion_tokens=%d",
-            record.id or "-", record.request_id or "-", record.path, record.status, record.state,
-            record.prompt_tokens, record.cached_tokens, record.completion_tokens,
-        )  # fmt: skip
+            record.id or "-",
+            record.request_id or "-",
+            record.path,
+            record.status,
+            record.state,
+            record.prompt_tokens,
+            record.cached_tokens,
+            record.completion_tokens,
+        )
 
     def snapshot(self) -> dict[str, Any]:
         """GET /sim/requests."""

@@ -62,8 +62,13 @@ class KvEventsConfig:
             return None
         endpoint, replay = config.get("endpoint", cls.endpoint), config.get("replay_endpoint")
         topic, steps = config.get("topic", ""), config.get("buffer_steps", cls.buffer_steps)
-        if not isinstance(endpoint, str) or not isinstance(replay, str | None) or not isinstance(topic, str) \
-                or not isinstance(steps, int) or steps < 1:  # fmt: skip
+        if (
+            not isinstance(endpoint, str)
+            or not isinstance(replay, str | None)
+            or not isinstance(topic, str)
+            or not isinstance(steps, int)
+            or steps < 1
+        ):
             raise ValueError("--kv-events-config: endpoint, replay_endpoint and topic are strings, buffer_steps >= 1")
         return cls(endpoint=endpoint, replay_endpoint=replay, topic=topic, buffer_steps=steps)
 
@@ -108,9 +113,12 @@ class Publisher:
         fields = {
             "block_hashes": [self._hash(b) for b in blocks],
             "parent_block_hash": None if parent is None else self._hash(parent),
-            "token_ids": list(token_ids), "block_size": self._block_size, "lora_id": None, "medium": MEDIUM,
+            "token_ids": list(token_ids),
+            "block_size": self._block_size,
+            "lora_id": None,
+            "medium": MEDIUM,
             "lora_name": None,
-        }  # fmt: skip
+        }
         self._add("BlockStored", fields)
 
     def removed(self, blocks: Sequence[bytes]) -> None:

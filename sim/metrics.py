@@ -84,8 +84,11 @@ class EngineCollector(Collector):
         )
         if engine.settings.enable_lora:
             # vLLM's label order; each label set a series whose value is when it was last current (sim/lora.py).
-            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
-                                     labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])  # fmt: skip
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            )
             for running, waiting, at in engine.adapters.info_series():
                 info.add_metric([running, str(engine.adapters.max_loras), waiting], at)
             yield info

@@ -53,8 +53,10 @@ def _texts(value: Any, field: str) -> list[str]:
     if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
         return [tokens.decode(value)]
     if isinstance(value, list) and value and all(isinstance(t, str | list | dict) for t in value):
-        return [t if isinstance(t, str) else str(t.get("text", "")) if isinstance(t, dict) else tokens.decode(t)
-                for t in value]  # fmt: skip
+        return [
+            t if isinstance(t, str) else str(t.get("text", "")) if isinstance(t, dict) else tokens.decode(t)
+            for t in value
+        ]
     raise bad_request(f"`{field}` must be a string, a list of strings or token ids.", field)
 
 
@@ -64,8 +66,14 @@ def _usage(texts: list[str]) -> dict[str, Any]:
 
 
 def _listing(prefix: str, model: str, data: list[dict[str, Any]], texts: list[str]) -> dict[str, Any]:
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
-            "data": data, "usage": _usage(texts)}  # fmt: skip
+    return {
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": _usage(texts),
+    }
 
 
 def embeddings(body: dict[str, Any], model: str) -> dict[str, Any]:
@@ -85,8 +93,15 @@ def classify(body: dict[str, Any], model: str) -> dict[str, Any]:
     data = []
     for i, text in enumerate(texts):
         p = round(_unit(text), 6)
-        data.append({"index": i, "label": "LABEL_1" if p >= 0.5 else "LABEL_0", "probs": [round(1 - p, 6), p],
-                     "num_classes": 2, "object": "classification"})  # fmt: skip
+        data.append(
+            {
+                "index": i,
+                "label": "LABEL_1" if p >= 0.5 else "LABEL_0",
+                "probs": [round(1 - p, 6), p],
+                "num_classes": 2,
+                "object": "classification",
+            }
+        )
     return _listing("classify", model, data, texts)
 
 
@@ -96,8 +111,10 @@ def score(body: dict[str, Any], model: str) -> dict[str, Any]:
         first = first * len(second)
     if len(first) != len(second):
         raise bad_request("text_1 and text_2 must have the same length, or text_1 one item.", "text_1")
-    data = [{"index": i, "object": "score", "score": round(_unit(b, a), 6)}
-            for i, (a, b) in enumerate(zip(first, second, strict=True))]  # fmt: skip
+    data = [
+        {"index": i, "object": "score", "score": round(_unit(b, a), 6)}
+        for i, (a, b) in enumerate(zip(first, second, strict=True))
+    ]
     return _listing("score", model, data, first + second)
 
 
@@ -110,16 +127,23 @@ def rerank(body: dict[str, Any], model: str) -> dict[str, Any]:
     if isinstance(top_n, int) and top_n > 0:
         results = results[:top_n]
     count = _usage([query, *documents])["prompt_tokens"]
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model,
-            "usage": {"prompt_tokens": count, "total_tokens": count}, "results": results}  # fmt: skip
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}",
+        "model": model,
+        "usage": {"prompt_tokens": count, "total_tokens": count},
+        "results": results,
+    }
 
 
 def cohere_embed(body: dict[str, Any], model: str) -> dict[str, Any]:
     texts = _texts(body.get("texts"), "texts")
-    return {"id": uuid.uuid4().hex, "embeddings": {"float": [_vector(t) for t in texts]}, "texts": texts,
-            "meta": {"api_version": {"version": "2"},
-                     "billed_units": {"input_tokens": _usage(texts)["prompt_tokens"]}},
-            "response_type": "embeddings_by_type"}  # fmt: skip
+    return {
+        "id": uuid.uuid4().hex,
+        "embeddings": {"float": [_vector(t) for t in texts]},
+        "texts": texts,
+        "meta": {"api_version": {"version": "2"}, "billed_units": {"input_tokens": _usage(texts)["prompt_tokens"]}},
+        "response_type": "embeddings_by_type",
+    }
 
 
 Handler = Callable[[dict[str, Any], str], dict[str, Any]]

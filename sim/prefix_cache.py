@@ -198,6 +198,9 @@ class PrefixCache:
     def stats(self) -> dict[str, int | float]:
         """For GET /sim/requests."""
         return {
-            "block_size": self.block_size, "capacity_blocks": self.capacity, "used_blocks": self.used_blocks,
-            "cached_blocks": self.cached_blocks, "usage": self.usage,
-        }  # fmt: skip
+            "block_size": self.block_size,
+            "capacity_blocks": self.capacity,
+            "used_blocks": self.used_blocks,
+            "cached_blocks": self.cached_blocks,
+            "usage": self.usage,
+        }

@@ -52,8 +52,14 @@ class Session:
         self.digest = hashlib.sha256()
         self.task: asyncio.Task[None] | None = None
         record.model, record.state, record.status = self.model, "open", 101
-        record.detail = {"session": self.id, "events": [], "audio_bytes": 0, "audio_sha256": None,
-                         "closed_by": None, "close_code": None}  # fmt: skip
+        record.detail = {
+            "session": self.id,
+            "events": [],
+            "audio_bytes": 0,
+            "audio_sha256": None,
+            "closed_by": None,
+            "close_code": None,
+        }
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.websocket.send_text(json.dumps(event, separators=(",", ":")))
@@ -92,15 +98,27 @@ class Session:
     async def transcribe(self, audio: bytes) -> None:
         """One utterance: a generation of its own, recorded, its tokens sent as deltas."""
         engine = self.engine
-        record = Record(id=f"rt-ws-{self.id}-{uuid.uuid4().hex}", request_id=self.record.request_id,
-                        path=self.record.path, authorization=None, method="WEBSOCKET", model=self.model,
-                        stream=True, detail={"session": self.id, "audio_bytes": len(audio)})  # fmt: skip
+        record = Record(
+            id=f"rt-ws-{self.id}-{uuid.uuid4().hex}",
+            request_id=self.record.request_id,
+            path=self.record.path,
+            authorization=None,
+            method="WEBSOCKET",
+            model=self.model,
+            stream=True,
+            detail={"session": self.id, "audio_bytes": len(audio)},
+        )
         engine.receive(record)
         prompt = tokens.encode(f"realtime {hashlib.sha256(audio).hexdigest()}")
         answer = tokens.complete(prompt, max_tokens=None, output_len=engine.knobs.output_len)
         record.prompt_tokens = len(prompt)
-        job = Job(record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason,
-                  kv_loaded=False)  # fmt: skip
+        job = Job(
+            record=record,
+            prompt=tuple(prompt),
+            tokens=answer.tokens,
+            finish_reason=answer.finish_reason,
+            kv_loaded=False,
+        )
         text = ""
         try:
             async with aclosing(engine.generate(job)) as stream:
@@ -109,8 +127,12 @@ class Session:
                     text += piece
                     await self.send({"type": "transcription.delta", "delta": piece})
             done = record.completion_tokens
-            usage = {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + done, "completion_tokens": done,
-                     "prompt_tokens_details": None}  # fmt: skip
+            usage = {
+                "prompt_tokens": len(prompt),
+                "total_tokens": len(prompt) + done,
+                "completion_tokens": done,
+                "prompt_tokens_details": None,
+            }
             await self.send({"type": "transcription.done", "text": text, "usage": usage})
             record.status = 200
         except ApiError as exc:

@@ -58,8 +58,15 @@ class Run:
     created: int = field(default_factory=wire.now)
 
     def response(self, status: str, output: list[Event], use: dict[str, Any] | None) -> dict[str, Any]:
-        return wire.response_object(self.turn, model=self.model, created=self.created, status=status,
-                                    max_tokens=self.max_tokens, output=output, use=use)  # fmt: skip
+        return wire.response_object(
+            self.turn,
+            model=self.model,
+            created=self.created,
+            status=status,
+            max_tokens=self.max_tokens,
+            output=output,
+            use=use,
+        )
 
 
 def prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any) -> Run:
@@ -79,16 +86,25 @@ def prepare(engine: Engine, store: dict[str, Stored], record: Record, body: Any)
         messages, add_generation_prompt=True, continue_final_message=False, encoder=engine.encode
     )
     if len(prompt) >= settings.max_model_len:
-        raise bad_request(f"The engine prompt length {len(prompt)} exceeds the max_model_len "
-                          f"{settings.max_model_len}. Please reduce prompt.", "input")  # fmt: skip
+        raise bad_request(
+            f"The engine prompt length {len(prompt)} exceeds the max_model_len "
+            f"{settings.max_model_len}. Please reduce prompt.",
+            "input",
+        )
     room = settings.max_model_len - len(prompt)
     max_tokens = min(turn.max_output_tokens, room) if turn.max_output_tokens else room
     record.prompt_tokens, record.max_tokens = len(prompt), max_tokens
     if engine.should_fail():
         raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
     answer = tokens.complete(prompt, max_tokens=max_tokens, output_len=engine.knobs.output_len)
-    job = Job(record=record, prompt=tuple(prompt), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False, cache_salt=record.cache_salt)  # fmt: skip
+    job = Job(
+        record=record,
+        prompt=tuple(prompt),
+        tokens=answer.tokens,
+        finish_reason=answer.finish_reason,
+        kv_loaded=False,
+        cache_salt=record.cache_salt,
+    )
     return Run(turn=turn, job=job, messages=messages, model=engine.model_name(turn.model), max_tokens=max_tokens)
 
 
@@ -260,8 +276,7 @@ async def cancel(request: Request) -> Response:
         raise wire.not_found(response_id)
     if stored.response["status"] not in ("queued", "in_progress"):
         engine.reject(record, 400)
-        raise ApiError(400, "Cannot cancel a synchronous response.", type="invalid_request_error",
-                       param="response_id")  # fmt: skip
+        raise ApiError(400, "Cannot cancel a synchronous response.", type="invalid_request_error", param="response_id")
     stored.response = {**stored.response, "status": "cancelled"}
     await _abort(stored)
     record.status, record.state = 200, "done"

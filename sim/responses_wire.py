@@ -31,8 +31,9 @@ ECHOED = ("instructions", "metadata", "max_tool_calls", "previous_response_id", 
 
 def not_found(response_id: str) -> ApiError:
     """OpenAIServingResponses._make_not_found_error."""
-    return ApiError(404, f"Response with id '{response_id}' not found.", type="invalid_request_error",
-                    param="response_id")  # fmt: skip
+    return ApiError(
+        404, f"Response with id '{response_id}' not found.", type="invalid_request_error", param="response_id"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,21 +115,29 @@ def output_text(response: dict[str, Any]) -> str:
     """The text of a response's output messages."""
     return "".join(
         part.get("text", "")
-        for item in response.get("output", []) if item.get("type") == "message"
+        for item in response.get("output", [])
+        if item.get("type") == "message"
         for part in item.get("content", [])
-    )  # fmt: skip
+    )
 
 
 def usage(prompt: int, output: int, cached: int) -> dict[str, Any]:
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached, "input_tokens_per_turn": [prompt],
-                                 "cached_tokens_per_turn": [cached]},
+        "input_tokens_details": {
+            "cached_tokens": cached,
+            "input_tokens_per_turn": [prompt],
+            "cached_tokens_per_turn": [cached],
+        },
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [output],
-                                  "tool_output_tokens_per_turn": [0]},
+        "output_tokens_details": {
+            "reasoning_tokens": 0,
+            "tool_output_tokens": 0,
+            "output_tokens_per_turn": [output],
+            "tool_output_tokens_per_turn": [0],
+        },
         "total_tokens": prompt + output,
-    }  # fmt: skip
+    }
 
 
 def _part(text: str) -> dict[str, Any]:
@@ -143,26 +152,49 @@ def message_item(item_id: str, text: str | None) -> dict[str, Any]:
 
 
 def response_object(
-    turn: Turn, *, model: str, created: int, status: str, max_tokens: int, output: list[dict[str, Any]],
+    turn: Turn,
+    *,
+    model: str,
+    created: int,
+    status: str,
+    max_tokens: int,
+    output: list[dict[str, Any]],
     use: dict[str, Any] | None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """ResponsesResponse.from_request, dumped (every field, nulls included)."""
     body = turn.body
     echoed = {name: body.get(name) for name in ECHOED}
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
-        "id": turn.id, "created_at": created, "incomplete_details": incomplete,
-        "instructions": echoed["instructions"], "metadata": echoed["metadata"], "model": model,
-        "object": "response", "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "id": turn.id,
+        "created_at": created,
+        "incomplete_details": incomplete,
+        "instructions": echoed["instructions"],
+        "metadata": echoed["metadata"],
+        "model": model,
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "temperature": body.get("temperature") if body.get("temperature") is not None else 1.0,
-        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0, "background": turn.background,
-        "max_output_tokens": max_tokens, "max_tool_calls": echoed["max_tool_calls"],
-        "previous_response_id": echoed["previous_response_id"], "prompt": None, "reasoning": echoed["reasoning"],
-        "service_tier": body.get("service_tier", "auto"), "status": status, "text": echoed["text"],
-        "top_logprobs": None, "truncation": body.get("truncation") or "disabled", "usage": use,
-        "user": echoed["user"], "input_messages": None, "output_messages": None,
-    }  # fmt: skip
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
+        "background": turn.background,
+        "max_output_tokens": max_tokens,
+        "max_tool_calls": echoed["max_tool_calls"],
+        "previous_response_id": echoed["previous_response_id"],
+        "prompt": None,
+        "reasoning": echoed["reasoning"],
+        "service_tier": body.get("service_tier", "auto"),
+        "status": status,
+        "text": echoed["text"],
+        "top_logprobs": None,
+        "truncation": body.get("truncation") or "disabled",
+        "usage": use,
+        "user": echoed["user"],
+        "input_messages": None,
+        "output_messages": None,
+    }
 
 
 class Events:
@@ -177,8 +209,9 @@ class Events:
         return event
 
     def text_delta(self, item_id: str, delta: str) -> dict[str, Any]:
-        return self.make("response.output_text.delta", content_index=0, output_index=0, item_id=item_id,
-                         delta=delta, logprobs=[])  # fmt: skip
+        return self.make(
+            "response.output_text.delta", content_index=0, output_index=0, item_id=item_id, delta=delta, logprobs=[]
+        )
 
     def opening(self, item_id: str) -> list[dict[str, Any]]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -189,12 +222,18 @@ class Events:
 
     def closing(self, item_id: str, text: str) -> list[dict[str, Any]]:
         return [
-            self.make("response.output_text.done", output_index=0, content_index=0, text=text, logprobs=[],
-                      item_id=item_id),
-            self.make("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                      part={"text": text, "type": "output_text", "annotations": []}),
+            self.make(
+                "response.output_text.done", output_index=0, content_index=0, text=text, logprobs=[], item_id=item_id
+            ),
+            self.make(
+                "response.content_part.done",
+                item_id=item_id,
+                output_index=0,
+                content_index=0,
+                part={"text": text, "type": "output_text", "annotations": []},
+            ),
             self.make("response.output_item.done", output_index=0, item=message_item(item_id, text)),
-        ]  # fmt: skip
+        ]
 
     def error(self, exc: ApiError) -> dict[str, Any]:
         """A failure after the stream started (OpenAI's ResponseErrorEvent)."""

@@ -43,12 +43,19 @@ async def _create(websocket: WebSocket, session: Record, last: dict[str, Stored]
     engine = engine_of(websocket)
     previous = event.get("previous_response_id")
     if previous is not None and previous not in last:
-        await _error(websocket, "previous_response_not_found",
-                     f"Response '{previous}' not found in connection cache", 404)  # fmt: skip
+        await _error(
+            websocket, "previous_response_not_found", f"Response '{previous}' not found in connection cache", 404
+        )
         return
     body = {k: v for k, v in event.items() if k not in ("type", "generate", "background")}
-    record = Record(id="", request_id=session.request_id, path="/v1/responses", authorization=session.authorization,
-                    method="WEBSOCKET", detail={"session": session.detail["session"]})  # fmt: skip
+    record = Record(
+        id="",
+        request_id=session.request_id,
+        path="/v1/responses",
+        authorization=session.authorization,
+        method="WEBSOCKET",
+        detail={"session": session.detail["session"]},
+    )
     engine.receive(record)
     note_fields(record, body)
     try:

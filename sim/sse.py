@@ -64,7 +64,10 @@ class SSEResponse(Response):
 
 
 async def answer_whole(
-    engine: Engine, record: Record, collect: Awaitable[Response], receive: Receive,
+    engine: Engine,
+    record: Record,
+    collect: Awaitable[Response],
+    receive: Receive,
     on_error: Callable[[ApiError], Response] | None = None,
 ) -> Response:
     """A non-streamed answer: ``collect`` runs until done or the client leaves (recorded as 499, as vLLM aborts
@@ -78,4 +81,3 @@ async def answer_whole(
     record.status = response.status_code
     engine.log(record)
     return response
-

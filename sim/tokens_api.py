@@ -51,8 +51,9 @@ async def generate(request: Request) -> Response:
         record.model = model if isinstance(model, str) else None
         protocol.check_model(model, engine.served_names)
         if len(ids) + (max_tokens or 0) > settings.max_model_len or len(ids) >= settings.max_model_len:
-            raise bad_request(f"The prompt and max_tokens exceed max_model_len {settings.max_model_len}.",
-                              "max_model_len")  # fmt: skip
+            raise bad_request(
+                f"The prompt and max_tokens exceed max_model_len {settings.max_model_len}.", "max_model_len"
+            )
         if engine.should_fail():
             raise ApiError(engine.knobs.fail_status, "vllm-sim: injected failure")
     except ApiError as exc:
@@ -61,18 +62,30 @@ async def generate(request: Request) -> Response:
     base = record.request_id or record.body_request_id or uuid.uuid4().hex
     record.id, record.prompt_tokens, record.max_tokens = f"generate-tokens-{base}", len(ids), max_tokens
     answer = tokens.complete(ids, max_tokens=max_tokens, output_len=engine.knobs.output_len, ignore_eos=ignore_eos)
-    job = Job(record=record, prompt=tuple(ids), tokens=answer.tokens, finish_reason=answer.finish_reason,
-              kv_loaded=False, cache_salt=record.cache_salt)  # fmt: skip
+    job = Job(
+        record=record,
+        prompt=tuple(ids),
+        tokens=answer.tokens,
+        finish_reason=answer.finish_reason,
+        kv_loaded=False,
+        cache_salt=record.cache_salt,
+    )
 
     async def collect() -> Response:
         async with aclosing(engine.generate(job)) as stream:
             out = [token async for token in stream]
         choice = {"index": 0, "logprobs": None, "finish_reason": job.finished_as, "token_ids": out}
-        return JSONResponse({
-            "id": record.id, "created": int(time.time()), "model": engine.model_name(record.model),
-            "choices": [choice], "usage": usage(len(ids), len(out)), "prompt_logprobs": None,
-            "kv_transfer_params": None,
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "id": record.id,
+                "created": int(time.time()),
+                "model": engine.model_name(record.model),
+                "choices": [choice],
+                "usage": usage(len(ids), len(out)),
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            }
+        )
 
     return await answer_whole(engine, record, collect(), request.receive)
 
@@ -81,11 +94,15 @@ async def tokenizer_info(request: Request) -> Response:
     """vLLM's tokenizer configuration (served there with --enable-tokenizer-info-endpoint)."""
     settings = engine_of(request).settings
     hf = settings.tokenizer is not None  # --tokenizer: the Hugging Face directory's WordPiece
-    return JSONResponse({
-        "tokenizer_class": "PreTrainedTokenizerFast" if hf else "VllmSimWordTokenizer",
-        "model_max_length": settings.max_model_len, "vocab_size": len(vocab.vocabulary()) if hf else tokens.VOCAB_SIZE,
-        "eos_token": "<|eos|>", "special_tokens": list(tokens.SPECIALS[:8]),
-    })  # fmt: skip
+    return JSONResponse(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast" if hf else "VllmSimWordTokenizer",
+            "model_max_length": settings.max_model_len,
+            "vocab_size": len(vocab.vocabulary()) if hf else tokens.VOCAB_SIZE,
+            "eos_token": "<|eos|>",
+            "special_tokens": list(tokens.SPECIALS[:8]),
+        }
+    )
 
 
 ROUTES = [

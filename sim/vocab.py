@@ -28,18 +28,23 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from vllm_etcd_proxy.sim import tokens
 
 UNK = "<|unk|>"
-WORDS = tuple(sorted(set(
-    "the a an and or but if then else of to in on at by for with from as is are was were be been being it its this "
-    "that these those there here what which who whom whose when where why how all any each every some no not only "
-    "more most less few many much so very can could will would shall should may might must do does did done have "
-    "has had having i you he she we they me him her us them my your our their one two three four five six seven "
-    "eight nine ten first last next new old good bad same other own such just also again still even now up down "
-    "out over under into through after before while about between against during without within along across "
-    "proxy routes each request node serves model streams tokens back come sessions keep history every turn "
-    "repeats said before little added cache prefix latency budget replica balance queue window context summary "
-    "question answer detail example session user assistant system tool message text prompt time value please "
-    "thanks yes hello world data code test file name list number word line part way day year people thing".split()
-)))  # fmt: skip
+WORDS = tuple(
+    sorted(
+        set(
+            "the a an and or but if then else of to in on at by for with from as is are was were be been being it "
+            "its this that these those there here what which who whom whose when where why how all any each every "
+            "some no not only more most less few many much so very can could will would shall should may might "
+            "must do does did done have has had having i you he she we they me him her us them my your our their "
+            "one two three four five six seven eight nine ten first last next new old good bad same other own "
+            "such just also again still even now up down out over under into through after before while about "
+            "between against during without within along across proxy routes each request node serves model "
+            "streams tokens back come sessions keep history every turn repeats said before little added cache "
+            "prefix latency budget replica balance queue window context summary question answer detail example "
+            "session user assistant system tool message text prompt time value please thanks yes hello world data "
+            "code test file name list number word line part way day year people thing".split()
+        )
+    )
+)
 """Whole words with an id of their own; the simulator's benchmarks draw their text from these."""
 _CHARS = tuple(c for c in string.printable if not c.isspace())
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -84,9 +89,14 @@ def write(directory: str | Path) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE, "eos_token": "<|eos|>",
-        "unk_token": UNK, "bos_token": None, "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False,
-    }  # fmt: skip
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|eos|>",
+        "unk_token": UNK,
+        "bos_token": None,
+        "model_max_length": 1 << 20,
+        "clean_up_tokenization_spaces": False,
+    }
     aside = path / f"tokenizer_config.json.{os.getpid()}"
     aside.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(aside, path / "tokenizer_config.json")

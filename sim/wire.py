@@ -67,26 +67,46 @@ class Wire:
         text = decode(generated)
         if self.kind is Kind.COMPLETION:
             choice: dict[str, Any] = {
-                "index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                "token_ids": self._ids(generated), "prompt_logprobs": None,
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "token_ids": self._ids(generated),
+                "prompt_logprobs": None,
                 "prompt_token_ids": self._ids(self.prompt_ids),
-            }  # fmt: skip
+            }
             tail: dict[str, Any] = {}
         else:
             message: dict[str, Any] = {
-                "role": self.role, "content": text, "refusal": None, "annotations": None, "audio": None,
-                "function_call": None, "tool_calls": [], "reasoning_content": None,
-            }  # fmt: skip
+                "role": self.role,
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "tool_calls": [],
+                "reasoning_content": None,
+            }
             choice = {
-                "index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
                 "token_ids": self._ids(generated),
-            }  # fmt: skip
+            }
             tail = {"prompt_logprobs": None, "prompt_token_ids": self._ids(self.prompt_ids)}
         obj = "text_completion" if self.kind is Kind.COMPLETION else "chat.completion"
         return {
-            **self._head(obj), "choices": [choice], "service_tier": None, "system_fingerprint": None,
-            "usage": use, **tail, "kv_transfer_params": kv,
-        }  # fmt: skip
+            **self._head(obj),
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": use,
+            **tail,
+            "kv_transfer_params": kv,
+        }
 
     def role_event(self, use: dict[str, Any] | None) -> str | None:
         """Chat streams open with an empty delta in the answer's role, carrying the prompt ids when asked;
@@ -95,8 +115,10 @@ class Wire:
             return None
         choice = {"index": 0, "delta": {"role": self.role, "content": ""}, "logprobs": None, "finish_reason": None}
         chunk: dict[str, Any] = {
-            **self._head("chat.completion.chunk"), "choices": [choice], "prompt_token_ids": self._ids(self.prompt_ids),
-        }  # fmt: skip
+            **self._head("chat.completion.chunk"),
+            "choices": [choice],
+            "prompt_token_ids": self._ids(self.prompt_ids),
+        }
         if use is not None:
             chunk["usage"] = use
         return self._event(chunk)
@@ -106,9 +128,14 @@ class Wire:
         text = decode(ids)
         if self.kind is Kind.COMPLETION:
             choice: dict[str, Any] = {
-                "index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                "prompt_token_ids": self._ids(self.prompt_ids) if first else None, "token_ids": self._ids(ids),
-            }  # fmt: skip
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_token_ids": self._ids(self.prompt_ids) if first else None,
+                "token_ids": self._ids(ids),
+            }
             return self._event({**self._head("text_completion"), "choices": [choice], "usage": use})
         choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
         if finish is not None:
@@ -137,28 +164,52 @@ class Wire:
 
 def _permission(now: int) -> dict[str, Any]:
     return {
-        "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": now,
-        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-        "organization": "*", "group": None, "is_blocking": False,
-    }  # fmt: skip
+        "id": f"modelperm-{uuid.uuid4().hex}",
+        "object": "model_permission",
+        "created": now,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
-def model_list(served: tuple[str, ...], max_model_len: int, root: str, loras: dict[str, str],
-               parents: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def model_list(
+    served: tuple[str, ...], max_model_len: int, root: str, loras: dict[str, str], parents: dict[str, str] | None = None
+) -> dict[str, Any]:
     """GET /v1/models: ModelList of ModelCard, each with one ModelPermission, as vLLM's serving_models: base
     models carry ``root`` (the model path) and ``max_model_len``; LoRA adapters their path as ``root``, the first
     served name as ``parent`` and no ``max_model_len``."""
     now = int(time.time())
     cards = [
-        {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": root, "parent": None,
-         "max_model_len": max_model_len, "permission": [_permission(now)]}
+        {
+            "id": name,
+            "object": "model",
+            "created": now,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": None,
+            "max_model_len": max_model_len,
+            "permission": [_permission(now)],
+        }
         for name in served
-    ]  # fmt: skip
+    ]
     cards += [
-        {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": path,
-         "parent": (parents or {}).get(name, served[0]),
-         "max_model_len": None, "permission": [_permission(now)]}
+        {
+            "id": name,
+            "object": "model",
+            "created": now,
+            "owned_by": "vllm",
+            "root": path,
+            "parent": (parents or {}).get(name, served[0]),
+            "max_model_len": None,
+            "permission": [_permission(now)],
+        }
         for name, path in loras.items()
-    ]  # fmt: skip
+    ]
     return {"object": "list", "data": cards}

@@ -138,8 +138,10 @@ def print_layout(stack: LocalStack, log_dir: Path) -> None:
     print("\nThe stack is up; every replica routes to every node:", flush=True)
     print(f"  {'etcd':<10} {stack.etcd_endpoint}    keys under /vllm/default/", flush=True)
     for node in stack.nodes:
-        print(f"  {node.name:<10} {node.url}  {node.role} vllm-sim under vllm-registrar, "
-              f"engine {node.engine_id}", flush=True)  # fmt: skip
+        print(
+            f"  {node.name:<10} {node.url}  {node.role} vllm-sim under vllm-registrar, engine {node.engine_id}",
+            flush=True,
+        )
     for proxy in stack.proxies:
         print(f"  {proxy.name:<10} {proxy.url}  vllm-proxy --etcd {stack.etcd_endpoint}", flush=True)
     print(f"  {'logs':<10} {log_dir}/", flush=True)
@@ -177,8 +179,11 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     stack = LocalStack(work_dir, log_dir, prefill=2, decode=2, replicas=2, model=MODEL, sim_flags=SIM_FLAGS)
     try:
-        print(f"Starting etcd, 2 prefill + 2 decode simulated nodes under registrars, 2 proxy replicas "
-              f"(logs in {log_dir}/) ...", flush=True)  # fmt: skip
+        print(
+            f"Starting etcd, 2 prefill + 2 decode simulated nodes under registrars, 2 proxy replicas "
+            f"(logs in {log_dir}/) ...",
+            flush=True,
+        )
         began = time.monotonic()
         stack.start(timeout=START_TIMEOUT)
         demo = Demo(stack)

@@ -119,9 +119,10 @@ def programs(argv: list[str]) -> list[str]:
 def node_services(profile: str | None) -> dict[str, dict[str, Any]]:
     """Services that run a registrar in wrapper mode, in the default set (None) or in ``profile``."""
     return {
-        name: s for name, s in SERVICES.items()
+        name: s
+        for name, s in SERVICES.items()
         if programs(argv_of(s))[0] == "vllm-registrar" and (profile in profiles(s) if profile else not profiles(s))
-    }  # fmt: skip
+    }
 
 
 def proxy_services() -> dict[str, dict[str, Any]]:
@@ -362,8 +363,9 @@ def test_docker_compose_config_accepts_the_file_and_both_profiles() -> None:
     if binary is None:
         pytest.skip("docker-compose is not installed (optional: apt-get install docker-compose)")
     for extra in ([], ["--profile", "vllm"], ["--profile", "observe"]):
-        done = subprocess.run([binary, "-f", str(COMPOSE), *extra, "config", "-q"], capture_output=True, text=True,
-                              timeout=60, cwd=REPO)  # fmt: skip
+        done = subprocess.run(
+            [binary, "-f", str(COMPOSE), *extra, "config", "-q"], capture_output=True, text=True, timeout=60, cwd=REPO
+        )
         assert done.returncode == 0, done.stderr
 
 

@@ -28,9 +28,14 @@ def test_demo_oneshot_sends_every_request_through_every_replica_and_exits_zero(t
     env = {**os.environ, "DEMO_ONESHOT": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     # cwd is a temporary directory, so the demo's ./demo-logs/ lands there and not in the work tree.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.demo"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "tests.demo"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:

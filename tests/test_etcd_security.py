@@ -25,13 +25,19 @@ def auth_etcd(tmp_path: Path, logs_dir: Path) -> Iterator[AuthEtcd]:
     server = AuthEtcd(tmp_path / "auth-data", logs_dir, name="auth-etcd")
     try:
         server.start()
-        for command in (["user", "add", "root:rootpw"], ["role", "add", "fleet-writer"],
-                        ["role", "grant-permission", "fleet-writer", "readwrite", "/vllm/", "--prefix=true"],
-                        ["role", "add", "fleet-reader"],
-                        ["role", "grant-permission", "fleet-reader", "read", "/vllm/", "--prefix=true"],
-                        ["user", "add", "registrar:regpw"], ["user", "grant-role", "registrar", "fleet-writer"],
-                        ["user", "add", "proxy:proxypw"], ["user", "grant-role", "proxy", "fleet-reader"],
-                        ["user", "add", "nobody:nopw"], ["auth", "enable"]):  # fmt: skip
+        for command in (
+            ["user", "add", "root:rootpw"],
+            ["role", "add", "fleet-writer"],
+            ["role", "grant-permission", "fleet-writer", "readwrite", "/vllm/", "--prefix=true"],
+            ["role", "add", "fleet-reader"],
+            ["role", "grant-permission", "fleet-reader", "read", "/vllm/", "--prefix=true"],
+            ["user", "add", "registrar:regpw"],
+            ["user", "grant-role", "registrar", "fleet-writer"],
+            ["user", "add", "proxy:proxypw"],
+            ["user", "grant-role", "proxy", "fleet-reader"],
+            ["user", "add", "nobody:nopw"],
+            ["auth", "enable"],
+        ):
             server.etcdctl(*command)
         yield server
     finally:
@@ -70,8 +76,9 @@ def test_wrong_ca_is_one_clear_error_for_both(tls_etcd: TlsEtcd, tmp_path: Path)
     assert done.returncode == 1
     [line] = error_lines(done.stderr, "vllm-proxy")
     assert "TLS" in line and "CERTIFICATE_VERIFY_FAILED" in line
-    reg = run_registrar("--etcd", tls_etcd.endpoint, "--role", "decode", "--url", "http://127.0.0.1:9", *tls,
-                        "--etcd-timeout", "2")  # fmt: skip
+    reg = run_registrar(
+        "--etcd", tls_etcd.endpoint, "--role", "decode", "--url", "http://127.0.0.1:9", *tls, "--etcd-timeout", "2"
+    )
     assert reg.returncode == 1
     [line] = error_lines(reg.stderr, "vllm-registrar")
     assert "CERTIFICATE_VERIFY_FAILED" in line or "TLS" in line
@@ -81,12 +88,24 @@ def test_registrar_and_proxy_work_with_user_and_password_from_env_and_file(
     auth_etcd: AuthEtcd, logs_dir: Path, tmp_path: Path, reap: Reaper
 ) -> None:
     node = reap(SimNode(logs_dir, "node", role="mixed").start())
-    reap(Registrar(auth_etcd, node.url, logs_dir, "--etcd-user", "registrar", role="mixed",  # type: ignore[arg-type]
-                   env={"VLLM_REGISTRAR_ETCD_PASSWORD": "regpw"}))  # fmt: skip
+    reap(
+        Registrar(
+            auth_etcd,
+            node.url,
+            logs_dir,
+            "--etcd-user",
+            "registrar",
+            role="mixed",  # type: ignore[arg-type]
+            env={"VLLM_REGISTRAR_ETCD_PASSWORD": "regpw"},
+        )
+    )
     password_file = tmp_path / "proxy-password"
     password_file.write_text("proxypw\n")
-    replica = reap(ProxyProc(logs_dir, "--etcd", auth_etcd.endpoint, "--etcd-user", "proxy",
-                             "--etcd-password-file", str(password_file)))  # fmt: skip
+    replica = reap(
+        ProxyProc(
+            logs_dir, "--etcd", auth_etcd.endpoint, "--etcd-user", "proxy", "--etcd-password-file", str(password_file)
+        )
+    )
     replica.wait_routable("mixed", node.host_port)
     assert replica.post("/v1/chat/completions", json=CHAT).status_code == 200
     for log in logs_dir.glob("*.log"):
@@ -95,13 +114,24 @@ def test_registrar_and_proxy_work_with_user_and_password_from_env_and_file(
 
 def test_wrong_password_and_missing_permission_are_one_clear_error(auth_etcd: AuthEtcd) -> None:
     for user, password, expect in (("proxy", "wrong", "refused"), ("nobody", "nopw", "permission")):
-        done = proxy_exits("--etcd", auth_etcd.endpoint, "--etcd-user", user,
-                           env={"VLLM_PROXY_ETCD_PASSWORD": password})  # fmt: skip
+        done = proxy_exits(
+            "--etcd", auth_etcd.endpoint, "--etcd-user", user, env={"VLLM_PROXY_ETCD_PASSWORD": password}
+        )
         assert done.returncode == 1, done.stderr
         [line] = error_lines(done.stderr, "vllm-proxy")
         assert expect in line and password not in line
-        reg = run_registrar("--etcd", auth_etcd.endpoint, "--role", "decode", "--url", "http://127.0.0.1:9",
-                            "--etcd-user", user, "--etcd-password", password)  # fmt: skip
+        reg = run_registrar(
+            "--etcd",
+            auth_etcd.endpoint,
+            "--role",
+            "decode",
+            "--url",
+            "http://127.0.0.1:9",
+            "--etcd-user",
+            user,
+            "--etcd-password",
+            password,
+        )
         assert reg.returncode == 1, reg.stderr
         [line] = error_lines(reg.stderr, "vllm-registrar")
         assert password not in line

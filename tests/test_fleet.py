@@ -78,8 +78,9 @@ def test_registrar_sigterm_drains_then_deregisters(
     for replica in replicas:
         replica.wait_routable("decode", node.host_port)
     node.configure(itl=0.1)
-    with httpx.stream("POST", f"{replicas[0].url}/v1/chat/completions", json={**CHAT, "max_tokens": 20,
-                      "stream": True}, timeout=30) as stream:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{replicas[0].url}/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stream": True}, timeout=30
+    ) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data:"))
         reg.signal(signal.SIGTERM)
@@ -172,8 +173,11 @@ def test_a_node_id_registered_under_two_roles_is_served_once_and_the_other_takes
     etcd.etcdctl("put", key("decode", node.host_port), "")
     replicas[0].wait_routable("decode", node.host_port)
     etcd.etcdctl("put", key("prefill", node.host_port), "")
-    wait_until(lambda: key("prefill", node.host_port) in replicas[0].status()["discovery"]["invalid_keys"], 10,
-               "the duplicate to be refused")  # fmt: skip
+    wait_until(
+        lambda: key("prefill", node.host_port) in replicas[0].status()["discovery"]["invalid_keys"],
+        10,
+        "the duplicate to be refused",
+    )
     assert replicas[0].status()["prefill_node_count"] == 0
     etcd.etcdctl("del", key("decode", node.host_port))
     replicas[0].wait_routable("prefill", node.host_port)

@@ -23,10 +23,22 @@ ADMIN_KEY = "ADMINKEY-c4d2"
 def test_logs_of_a_whole_run_hold_no_prompt_or_secret(etcd: EtcdServer, logs_dir: Path, reap: Reaper) -> None:
     prefill = reap(SimNode(logs_dir, "prefill", role="prefill", api_key=BACKEND_KEY, output_len=64).start())
     decode = reap(SimNode(logs_dir, "decode", role="decode", api_key=BACKEND_KEY, output_len=64).start())
-    regs = [reap(Registrar(etcd, n.url, logs_dir, "--models", "sim-model", role=r, name=f"reg-{r}"))
-            for r, n in (("prefill", prefill), ("decode", decode))]  # fmt: skip
-    replica = reap(ProxyProc(logs_dir, "--etcd", etcd.endpoint, "--api-key", CLIENT_KEY, "--backend-api-key",
-                             BACKEND_KEY, admin_key=ADMIN_KEY))  # fmt: skip
+    regs = [
+        reap(Registrar(etcd, n.url, logs_dir, "--models", "sim-model", role=r, name=f"reg-{r}"))
+        for r, n in (("prefill", prefill), ("decode", decode))
+    ]
+    replica = reap(
+        ProxyProc(
+            logs_dir,
+            "--etcd",
+            etcd.endpoint,
+            "--api-key",
+            CLIENT_KEY,
+            "--backend-api-key",
+            BACKEND_KEY,
+            admin_key=ADMIN_KEY,
+        )
+    )
     replica.wait_routable("prefill", prefill.host_port)
     replica.wait_routable("decode", decode.host_port)
 
@@ -37,16 +49,35 @@ def test_logs_of_a_whole_run_hold_no_prompt_or_secret(etcd: EtcdServer, logs_dir
         answer = replica.post("/v1/chat/completions", json={**chat, "stream": stream}, headers=good)
         assert answer.status_code == 200
         completions.append(answer.text)
-    assert replica.post("/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {WRONG_KEY}"}
-                        ).status_code == 401  # fmt: skip
-    assert replica.post("/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"},
-                        headers={"X-Api-Key": WRONG_KEY}).status_code == 401  # fmt: skip
-    assert replica.post("/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"},
-                        headers={"X-Api-Key": ADMIN_KEY}).status_code == 200  # fmt: skip
-    assert replica.post("/v1/completions", content=f'{{"model": "sim-model", "prompt": "{PROMPT}"'.encode(),
-                        headers=good).status_code == 400  # fmt: skip
-    with httpx.stream("POST", f"{replica.url}/v1/chat/completions", json={**chat, "stream": True, "max_tokens": 60},
-                      headers=good, timeout=10) as walked_away:  # fmt: skip
+    assert (
+        replica.post("/v1/chat/completions", json=chat, headers={"Authorization": f"Bearer {WRONG_KEY}"}).status_code
+        == 401
+    )
+    assert (
+        replica.post(
+            "/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"}, headers={"X-Api-Key": WRONG_KEY}
+        ).status_code
+        == 401
+    )
+    assert (
+        replica.post(
+            "/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"}, headers={"X-Api-Key": ADMIN_KEY}
+        ).status_code
+        == 200
+    )
+    assert (
+        replica.post(
+            "/v1/completions", content=f'{{"model": "sim-model", "prompt": "{PROMPT}"'.encode(), headers=good
+        ).status_code
+        == 400
+    )
+    with httpx.stream(
+        "POST",
+        f"{replica.url}/v1/chat/completions",
+        json={**chat, "stream": True, "max_tokens": 60},
+        headers=good,
+        timeout=10,
+    ) as walked_away:
         next(walked_away.iter_lines())
     for reg in regs:
         reg.signal(signal.SIGTERM)

@@ -55,8 +55,9 @@ def test_the_alerting_rules_pass_promtool_check_and_our_rule_tests() -> None:
         done = subprocess.run([promtool, *argv], capture_output=True, text=True, timeout=60, cwd=RULES.parent)
         assert done.returncode == 0, done.stdout + done.stderr
     alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
-    tested = {t["alertname"] for case in yaml.safe_load(RULES_TEST.read_text())["tests"]
-              for t in case["alert_rule_test"]}  # fmt: skip
+    tested = {
+        t["alertname"] for case in yaml.safe_load(RULES_TEST.read_text())["tests"] for t in case["alert_rule_test"]
+    }
     assert tested == alerts, "every alert has a rule test"
 
 
@@ -72,8 +73,16 @@ def replica(logs: Path) -> Iterator[ProxyProc]:
     try:
         for node in nodes:
             node.start()
-        proxy = ProxyProc(logs, "--prefill", nodes[0].host_port, "--decode", nodes[1].host_port, "--scrape-load",
-                          "0.2", name="obs-proxy")  # fmt: skip
+        proxy = ProxyProc(
+            logs,
+            "--prefill",
+            nodes[0].host_port,
+            "--decode",
+            nodes[1].host_port,
+            "--scrape-load",
+            "0.2",
+            name="obs-proxy",
+        )
         proxy.wait_routable("prefill", nodes[0].host_port)
         proxy.wait_routable("decode", nodes[1].host_port)
         yield proxy
@@ -88,8 +97,13 @@ def replica(logs: Path) -> Iterator[ProxyProc]:
 def traffic(replica: ProxyProc) -> Iterator[None]:
     """Streamed and plain chat completions, one after another, until the module's tests are done."""
     stop = threading.Event()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "the same question again"}], "max_tokens": 8,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "the same question again"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     def send() -> None:
         with httpx.Client(base_url=replica.url, timeout=10) as client:
@@ -130,15 +144,24 @@ def test_rules_and_dashboard_name_only_metrics_a_replica_exports(replica: ProxyP
 def prometheus(replica: ProxyProc, logs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     binary = tool("prometheus")
     home = tmp_path_factory.mktemp("prometheus")
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"}, "rule_files": [str(RULES)],
-              "scrape_configs": [{"job_name": "vllm-proxy",
-                                  "static_configs": [{"targets": [f"{HOST}:{replica.port}"]}]}]}  # fmt: skip
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "vllm-proxy", "static_configs": [{"targets": [f"{HOST}:{replica.port}"]}]}],
+    }
     (home / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     url = f"http://{HOST}:{port}"
-    proc = Proc("prometheus", [binary, f"--config.file={home / 'prometheus.yml'}",
-                               f"--storage.tsdb.path={home / 'data'}", f"--web.listen-address={HOST}:{port}"],
-                logs)  # fmt: skip
+    proc = Proc(
+        "prometheus",
+        [
+            binary,
+            f"--config.file={home / 'prometheus.yml'}",
+            f"--storage.tsdb.path={home / 'data'}",
+            f"--web.listen-address={HOST}:{port}",
+        ],
+        logs,
+    )
     try:
         wait_until(lambda: http_ok(f"{url}/-/ready"), 30, "prometheus ready")
         yield url

@@ -133,8 +133,13 @@ async def keep_alive(
             now = time.monotonic()
             if now >= expires:
                 raise LeaseLost(f"lease {lease_id:x} not refreshed within its TTL ({ttl}s)") from None
-            log.warning("etcd lease keepalive failed endpoint=%s lease=%x error=%s after=%.1fs", endpoint, lease_id,
-                        _reason(exc), now - started)  # fmt: skip
+            log.warning(
+                "etcd lease keepalive failed endpoint=%s lease=%x error=%s after=%.1fs",
+                endpoint,
+                lease_id,
+                _reason(exc),
+                now - started,
+            )
             # An attempt that timed out has waited enough: the next one goes at once, on a new connection.
             await asyncio.sleep(min(max(0.0, delay - (now - started)), max(0.0, expires - now)))
             delay = min(delay * 2, max(interval, 0.1))

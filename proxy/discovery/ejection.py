@@ -66,12 +66,19 @@ class Ejector:
         healthy_spell = now - self._reinstated_at.get(id(state), 0.0) > HEALTHY_SPELL
         ejections = 1 if healthy_spell else state.ejections + 1
         backoff = self._backoff(ejections)
-        self._pool.set_health(state, failures=failures, probation=state.probation, ejections=ejections,
-                              probe_at=now + backoff)  # fmt: skip
+        self._pool.set_health(
+            state, failures=failures, probation=state.probation, ejections=ejections, probe_at=now + backoff
+        )
         self._pool.set_ejected(state, True)
         self._schedule.put(state.entry_key, now + backoff, urgent=True)
-        log.warning("node ejected node=%s role=%s failures=%d reason=%s probe_in=%gs", state.node.node_id,
-                    state.node.role.value, state.failures, reason, backoff)  # fmt: skip
+        log.warning(
+            "node ejected node=%s role=%s failures=%d reason=%s probe_in=%gs",
+            state.node.node_id,
+            state.node.role.value,
+            state.failures,
+            reason,
+            backoff,
+        )
 
     def _backoff(self, times: int) -> float:
         return float(min(self._settings.max_backoff, self._settings.base_backoff * 2 ** (times - 1)))
@@ -108,5 +115,10 @@ class Ejector:
             log.info("node reinstated node=%s role=%s", state.node.node_id, state.node.role.value)
             return
         ejections = state.ejections + 1
-        self._pool.set_health(state, failures=state.failures, probation=state.probation, ejections=ejections,
-                              probe_at=time.monotonic() + self._backoff(ejections))  # fmt: skip
+        self._pool.set_health(
+            state,
+            failures=state.failures,
+            probation=state.probation,
+            ejections=ejections,
+            probe_at=time.monotonic() + self._backoff(ejections),
+        )

@@ -16,8 +16,9 @@ REPLAY_TIMEOUT = 2.0
 """Seconds to wait for each answer of a replay socket."""
 
 
-async def replay(context: zmq.asyncio.Context, endpoint: str, start: int,
-                 malformed: Callable[[str], None]) -> AsyncGenerator[tuple[int, bytes], None]:  # fmt: skip
+async def replay(
+    context: zmq.asyncio.Context, endpoint: str, start: int, malformed: Callable[[str], None]
+) -> AsyncGenerator[tuple[int, bytes], None]:
     """(seq, payload) of each batch the replay socket at ``endpoint`` answers from ``start`` on. Raises
     TimeoutError, Malformed or zmq.ZMQError when it does not answer, or answers what is no seq."""
     dealer = context.socket(zmq.DEALER)
@@ -38,8 +39,9 @@ async def replay(context: zmq.asyncio.Context, endpoint: str, start: int,
         dealer.close(0)
 
 
-async def same_process(context: zmq.asyncio.Context, endpoint: str, seen: Iterable[tuple[int, bytes]],
-                       malformed: Callable[[str], None]) -> bool:  # fmt: skip
+async def same_process(
+    context: zmq.asyncio.Context, endpoint: str, seen: Iterable[tuple[int, bytes]], malformed: Callable[[str], None]
+) -> bool:
     """Whether the replay socket still holds the batches ``seen`` ((seq, payload), the last ones a
     subscriber applied) as they were: a node that restarted holds others under those seqs. True when it cannot
     tell (it no longer has them, or does not answer)."""

@@ -72,8 +72,9 @@ class KvStats:
 class Subscriber:
     """One node's subscription (see the module docstring); ``view()`` is what /list_workers shows."""
 
-    def __init__(self, name: str, state: NodeState, endpoint: str, replay: str | None, sink: KvSink,
-                 stats: KvStats) -> None:  # fmt: skip
+    def __init__(
+        self, name: str, state: NodeState, endpoint: str, replay: str | None, sink: KvSink, stats: KvStats
+    ) -> None:
         self.name, self.state, self.endpoint, self.replay = name, state, endpoint, replay
         self._sink, self._stats = sink, stats
         self.connected = False
@@ -103,11 +104,16 @@ class Subscriber:
     def view(self) -> dict[str, Any]:
         now = time.monotonic()
         return {
-            "endpoint": self.endpoint, "replay": self.replay, "connected": self.connected, "silent": self.silent,
-            "tracked": self.tracked, "last_seq": self.last_seq,
+            "endpoint": self.endpoint,
+            "replay": self.replay,
+            "connected": self.connected,
+            "silent": self.silent,
+            "tracked": self.tracked,
+            "last_seq": self.last_seq,
             "last_event_seconds_ago": None if self.last_event_at is None else round(now - self.last_event_at, 3),
-            "lag_seconds": None if self.lag is None else round(self.lag, 3), **self.counts,
-        }  # fmt: skip
+            "lag_seconds": None if self.lag is None else round(self.lag, 3),
+            **self.counts,
+        }
 
     def _count(self, what: str, n: int = 1) -> None:
         self.counts[what] += n
@@ -115,8 +121,12 @@ class Subscriber:
 
     async def run(self, context: zmq.asyncio.Context) -> None:
         sub = context.socket(zmq.SUB)
-        for option, value in ((zmq.SUBSCRIBE, b""), (zmq.RCVHWM, RECEIVE_HWM), (zmq.LINGER, 0),
-                              (zmq.RECONNECT_IVL_MAX, 5000)):  # fmt: skip
+        for option, value in (
+            (zmq.SUBSCRIBE, b""),
+            (zmq.RCVHWM, RECEIVE_HWM),
+            (zmq.LINGER, 0),
+            (zmq.RECONNECT_IVL_MAX, 5000),
+        ):
             sub.setsockopt(option, value)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)  # read what is there, no future per frame
@@ -178,16 +188,19 @@ class Subscriber:
             self._quiet_windows += 1
             if self._quiet_windows >= 2 and not self.silent:
                 self.silent = True
-                log.warning("kv events silent node=%s: it served requests but published nothing; routing by "
-                            "content for it", self.name)  # fmt: skip
+                log.warning(
+                    "kv events silent node=%s: it served requests but published nothing; routing by content for it",
+                    self.name,
+                )
         self._served_seen, self._batches_seen = served, self.counts["batches"]
 
     def _malformed(self, reason: str) -> None:
         self._count("malformed")
         if not self._warned:
             self._warned = True
-            log.warning("kv events: malformed frame skipped node=%s reason=%s (logged once per node)", self.name,
-                        reason)  # fmt: skip
+            log.warning(
+                "kv events: malformed frame skipped node=%s reason=%s (logged once per node)", self.name, reason
+            )
 
     async def _frame(self, context: zmq.asyncio.Context, frames: list[bytes]) -> None:
         self.connected = True  # whatever the monitor said last: a frame came
@@ -210,8 +223,9 @@ class Subscriber:
             restarted = not await same_process(context, self.replay, self._seen, self._malformed)
         if restarted:
             self._count("restarts")
-            log.info("kv events: node restarted (seq %d after %d) node=%s: its blocks are forgotten", seq, last,
-                     self.name)  # fmt: skip
+            log.info(
+                "kv events: node restarted (seq %d after %d) node=%s: its blocks are forgotten", seq, last, self.name
+            )
             self._sink.drop(self.name)
             self.last_seq = last = None
             if seq > 0:
@@ -246,14 +260,19 @@ class Subscriber:
                     if first is None:
                         first = seq
                         if seq > start > 0:
-                            log.warning("kv events: replay starts at seq %d, not %d node=%s: its blocks are "
-                                        "forgotten", seq, start, self.name)  # fmt: skip
+                            log.warning(
+                                "kv events: replay starts at seq %d, not %d node=%s: its blocks are forgotten",
+                                seq,
+                                start,
+                                self.name,
+                            )
                             self._sink.drop(self.name)
                     replayed[seq] = hash(payload)
                     self._apply(seq, payload)
         except (TimeoutError, Malformed, zmq.ZMQError) as exc:
-            log.warning("kv events: replay failed node=%s endpoint=%s error=%s", self.name, self.replay,
-                        type(exc).__name__)  # fmt: skip
+            log.warning(
+                "kv events: replay failed node=%s endpoint=%s error=%s", self.name, self.replay, type(exc).__name__
+            )
             return False
         self._replayed_until = time.monotonic() + REPLAYED_WINDOW
         return True

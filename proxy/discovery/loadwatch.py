@@ -82,8 +82,15 @@ class LoadWatcher:
     first. A node that does not answer is asked again after a back-off that doubles up to ``MAX_BACKOFF``, at the
     routine rate, until it answers."""
 
-    def __init__(self, pool: Pool, transport: Transport, interval: float, headers: dict[str, str] | None, *,
-                 rate: float = SCRAPE_RATE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: Pool,
+        transport: Transport,
+        interval: float,
+        headers: dict[str, str] | None,
+        *,
+        rate: float = SCRAPE_RATE,
+    ) -> None:
         self._pool = pool
         self._transport = transport
         self._interval = interval
@@ -144,8 +151,15 @@ class LoadWatcher:
 
     async def _fetch(self, url: str) -> bytes:
         """The body of ``url``'s /metrics; raises ProxyError (or TimeoutError) when the node does not give it."""
-        request = UpstreamRequest(origin=Origin.of(url), path=b"/metrics", head=self._head, body=b"",
-                                  timeout=SCRAPE_TIMEOUT, idle_timeout=SCRAPE_TIMEOUT, method=b"GET")  # fmt: skip
+        request = UpstreamRequest(
+            origin=Origin.of(url),
+            path=b"/metrics",
+            head=self._head,
+            body=b"",
+            timeout=SCRAPE_TIMEOUT,
+            idle_timeout=SCRAPE_TIMEOUT,
+            method=b"GET",
+        )
         async with asyncio.timeout(SCRAPE_TIMEOUT):
             response = await self._transport.send(request)
             try:

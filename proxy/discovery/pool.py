@@ -219,9 +219,14 @@ class Pool:
         state.prefix_hit_rate = rate
 
     def set_health(
-        self, state: NodeState, *, failures: int, probation: bool, ejections: int | None = None,
+        self,
+        state: NodeState,
+        *,
+        failures: int,
+        probation: bool,
+        ejections: int | None = None,
         probe_at: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """The ejector's counters (its rules decide the values; see ejection.py)."""
         state.failures, state.probation = failures, probation
         if ejections is not None:

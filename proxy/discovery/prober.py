@@ -44,8 +44,15 @@ class ModelProber:
     """Background workers keeping learned models current, at most ``rate`` probes a second in all: nodes not yet
     routable first, while they answer or are new (see ``Schedule``)."""
 
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, refresh: float, headers: dict[str, str] | None = None,
-                 *, rate: float = PROBE_RATE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: Pool,
+        client: httpx.AsyncClient,
+        refresh: float,
+        headers: dict[str, str] | None = None,
+        *,
+        rate: float = PROBE_RATE,
+    ) -> None:
         self._pool = pool
         self._client = client
         self._refresh = refresh

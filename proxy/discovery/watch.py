@@ -125,8 +125,11 @@ class Discovery:
                 await self._watch()
             except (_Relist, Compacted) as exc:
                 if isinstance(exc, Compacted):
-                    log.info("etcd compacted past the watch; re-listing revision=%d compact_revision=%d",
-                             state.revision, exc.compact_revision)  # fmt: skip
+                    log.info(
+                        "etcd compacted past the watch; re-listing revision=%d compact_revision=%d",
+                        state.revision,
+                        exc.compact_revision,
+                    )
                 relist, state.connected = True, False
                 state.resyncs += 1
                 continue
@@ -174,8 +177,13 @@ class Discovery:
         state.revision, state.synced, state.endpoint = revision, True, self._client.current_endpoint
         log.info(
             "etcd listed prefix=%s nodes=%d invalid=%d revision=%d endpoint=%s resync=%s",
-            self._layout.cluster_prefix, len(nodes), len(invalid), revision, state.endpoint, self._listed,
-        )  # fmt: skip
+            self._layout.cluster_prefix,
+            len(nodes),
+            len(invalid),
+            revision,
+            state.endpoint,
+            self._listed,
+        )
         self._listed = True
 
     async def _watch(self) -> None:
@@ -191,16 +199,22 @@ class Discovery:
             if batch.revision < state.revision:
                 log.warning(
                     "etcd revision went backwards; re-listing revision=%d last_seen=%d endpoint=%s",
-                    batch.revision, state.revision, self._client.current_endpoint,
-                )  # fmt: skip
+                    batch.revision,
+                    state.revision,
+                    self._client.current_endpoint,
+                )
                 raise _Relist
             if self._broken:
                 state.reconnects += 1
             self._broken, self._failures = False, 0
             state.connected, state.last_error = True, ""
             state.endpoint = self._client.current_endpoint
-            log.info("etcd watching prefix=%s from_revision=%d endpoint=%s",
-                     self._layout.cluster_prefix, start, state.endpoint)  # fmt: skip
+            log.info(
+                "etcd watching prefix=%s from_revision=%d endpoint=%s",
+                self._layout.cluster_prefix,
+                start,
+                state.endpoint,
+            )
             return
         out: list[PoolEvent] = []
         for event in batch.events:

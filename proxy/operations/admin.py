@@ -139,8 +139,14 @@ class AdminRoutes:
             except EtcdError as exc:
                 raise ServiceUnavailable(f"could not write to etcd: {exc}") from None
         else:
-            node = Node(node_id=req.instance, role=req.role, url=url, models=self._models, source=Source.ADMIN,
-                        learn_models=not self._models)  # fmt: skip
+            node = Node(
+                node_id=req.instance,
+                role=req.role,
+                url=url,
+                models=self._models,
+                source=Source.ADMIN,
+                learn_models=not self._models,
+            )
             if not self._pool.add(node):
                 log.info("%s_instance %s already exists.", req.role.value, req.instance)
         self._metrics.admin_changes.labels("add").inc()

@@ -13,8 +13,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
-        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")  # fmt: skip
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 class DashboardRoutes:
@@ -25,5 +27,8 @@ class DashboardRoutes:
         return [Route("/dashboard", self.dashboard, methods=["GET"])]
 
     async def dashboard(self, request: Request) -> Response:
-        return Response(self._page, media_type="text/html; charset=utf-8", headers={
-            "content-security-policy": _CSP, "cache-control": "no-cache", "x-content-type-options": "nosniff"})
+        return Response(
+            self._page,
+            media_type="text/html; charset=utf-8",
+            headers={"content-security-policy": _CSP, "cache-control": "no-cache", "x-content-type-options": "nosniff"},
+        )

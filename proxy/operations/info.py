@@ -73,9 +73,14 @@ def not_ready_reason(lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool
 
 class InfoRoutes:
     def __init__(
-        self, *, pool: Pool, discovery: DiscoveryState, registry: CollectorRegistry, lifecycle: Lifecycle,
+        self,
+        *,
+        pool: Pool,
+        discovery: DiscoveryState,
+        registry: CollectorRegistry,
+        lifecycle: Lifecycle,
         kv_view: Callable[[NodeState], dict[str, Any] | None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._kv_view = kv_view
         self._lifecycle = lifecycle
         self._pool = pool
@@ -131,8 +136,10 @@ class InfoRoutes:
 
     async def list_workers(self, request: Request) -> Response:
         kv = self._kv_view
-        workers = sorted(({**worker_view(s), "kv_events": kv(s) if kv is not None else None} for s in self._pool.all()),
-                         key=lambda w: (w["role"], w["id"]))  # fmt: skip
+        workers = sorted(
+            ({**worker_view(s), "kv_events": kv(s) if kv is not None else None} for s in self._pool.all()),
+            key=lambda w: (w["role"], w["id"]),
+        )
         return JSONResponse({"workers": workers})
 
     async def metrics(self, request: Request) -> Response:

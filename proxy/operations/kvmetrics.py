@@ -52,13 +52,17 @@ class KvCollector(Collector):
             ("kv_event_restarts", stats.restarts, "Nodes seen restarting (sequence numbers going back)."),
         ):
             yield CounterMetricFamily(f"vllm_proxy_{name}", text, value=value)
-        decisions = CounterMetricFamily("vllm_proxy_kv_routing_decisions", "kv-aware routing decisions by reason: "
-                                        "cached_prefix, load (no node holds the prefix), fallback (content "
-                                        "affinity: no events for the request or its nodes).",
-                                        labels=["reason"])  # fmt: skip
+        decisions = CounterMetricFamily(
+            "vllm_proxy_kv_routing_decisions",
+            "kv-aware routing decisions by reason: "
+            "cached_prefix, load (no node holds the prefix), fallback (content "
+            "affinity: no events for the request or its nodes).",
+            labels=["reason"],
+        )
         counted = self._routing.decisions
         for reason in REASONS:
             decisions.add_metric([reason], counted.get(reason, 0))
         yield decisions
-        yield GaugeMetricFamily("vllm_proxy_kv_index_blocks", "Distinct block keys in the KV-event index.",
-                                value=len(self._routing.index))  # fmt: skip
+        yield GaugeMetricFamily(
+            "vllm_proxy_kv_index_blocks", "Distinct block keys in the KV-event index.", value=len(self._routing.index)
+        )

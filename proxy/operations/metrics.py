@@ -23,10 +23,54 @@ from vllm_etcd_proxy.proxy.discovery.pool import Pool
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # vLLM's own buckets for these (vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds), with finer
 # ones below, so the client's view and the nodes' compare bucket by bucket.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80,
-                 160, 640, 2560)  # fmt: skip
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5,
-                7.5, 10, 20, 40, 80)  # fmt: skip
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    20,
+    40,
+    80,
+    160,
+    640,
+    2560,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    20,
+    40,
+    80,
+)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LAG_INTERVAL = 0.25
 """Seconds between two event-loop lag samples."""
@@ -116,21 +160,31 @@ class ProxyMetrics:
         self._figures: dict[str, _ModelFigures] = {}
         registry.register(_FlushFirst(self))
         self.requests = Counter(
-            "vllm_proxy_requests", "Client requests answered, by route, mode and HTTP status.",
-            ["route", "mode", "status"], registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_requests",
+            "Client requests answered, by route, mode and HTTP status.",
+            ["route", "mode", "status"],
+            registry=registry,
+        )
         self.request_seconds = Histogram(
-            "vllm_proxy_request_duration_seconds", "Client request duration, until the last byte.",
-            ["route", "mode"], buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_request_duration_seconds",
+            "Client request duration, until the last byte.",
+            ["route", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.first_byte_seconds = Histogram(
-            "vllm_proxy_time_to_first_byte_seconds", "From request received to the first body byte sent.",
-            ["route", "mode"], buckets=_LATENCY_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_time_to_first_byte_seconds",
+            "From request received to the first body byte sent.",
+            ["route", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.upstream = Counter(
-            "vllm_proxy_upstream_requests", "Requests sent to nodes, by role, node and outcome.",
-            ["role", "node", "outcome"], registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_upstream_requests",
+            "Requests sent to nodes, by role, node and outcome.",
+            ["role", "node", "outcome"],
+            registry=registry,
+        )
         self.retries = Counter(
             "vllm_proxy_retries", "Legs retried on another node before the first byte.", ["role"], registry=registry
         )
@@ -141,60 +195,92 @@ class ProxyMetrics:
             "vllm_proxy_client_disconnects", "Requests whose client went away before the end.", registry=registry
         )
         self.resumes = Counter(
-            "vllm_proxy_resumes", "Streams whose node failed mid-way, by what followed: resumed (a continuation "
+            "vllm_proxy_resumes",
+            "Streams whose node failed mid-way, by what followed: resumed (a continuation "
             "from another node), completed (nothing was left to generate), failed (no node took the continuation), "
-            "exhausted (--max-resumes reached).", ["outcome"], registry=registry,
-        )  # fmt: skip
+            "exhausted (--max-resumes reached).",
+            ["outcome"],
+            registry=registry,
+        )
         self.admin_changes = Counter(
             "vllm_proxy_admin_changes", "Admin API calls that changed the pools.", ["action"], registry=registry
         )
         self.adapter_loads = Counter(
-            "vllm_proxy_adapter_loads", "LoRA adapter loads this replica asked of nodes, by adapter and outcome: "
-            "loaded, already (the node had it), failed.", ["adapter", "outcome"], registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_adapter_loads",
+            "LoRA adapter loads this replica asked of nodes, by adapter and outcome: "
+            "loaded, already (the node had it), failed.",
+            ["adapter", "outcome"],
+            registry=registry,
+        )
         self.admin_denied = Counter(
             "vllm_proxy_admin_denied", "Admin API calls refused (disabled or wrong key).", registry=registry
         )
         self.loop_lag = Gauge(
-            "vllm_proxy_event_loop_lag_seconds", "How late the event loop ran the last timer it was given: the "
-            "time every request on the replica waits behind work in progress.", registry=registry,
+            "vllm_proxy_event_loop_lag_seconds",
+            "How late the event loop ran the last timer it was given: the "
+            "time every request on the replica waits behind work in progress.",
+            registry=registry,
             multiprocess_mode="livemax",  # with --workers: the worst worker's
-        )  # fmt: skip
+        )
         self.loop_lag_seconds = Histogram(
-            "vllm_proxy_event_loop_lag_distribution_seconds", "Event-loop lag samples, every 0.25 s.",
-            buckets=_LAG_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_event_loop_lag_distribution_seconds",
+            "Event-loop lag samples, every 0.25 s.",
+            buckets=_LAG_BUCKETS,
+            registry=registry,
+        )
         # Completions and chat completions as their clients see them, by model (models the fleet serves: bounded).
         self.ttft_seconds = Histogram(
-            "vllm_proxy_time_to_first_token_seconds", "Streamed completions: from the request's arrival to its "
-            "first event sent to the client, by model.", ["model"], buckets=_TTFT_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_time_to_first_token_seconds",
+            "Streamed completions: from the request's arrival to its first event sent to the client, by model.",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
         self.itl_seconds = Histogram(
-            "vllm_proxy_inter_token_latency_seconds", "Streamed completions: one stream's mean time between tokens "
+            "vllm_proxy_inter_token_latency_seconds",
+            "Streamed completions: one stream's mean time between tokens "
             "as its client got them (its tokens from usage when the stream carries it, else its body writes), "
-            "by model.", ["model"], buckets=_ITL_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "by model.",
+            ["model"],
+            buckets=_ITL_BUCKETS,
+            registry=registry,
+        )
         self.e2e_seconds = Histogram(
-            "vllm_proxy_e2e_request_latency_seconds", "Completions answered 200 (streamed or not): from the "
-            "request's arrival to its last byte, by model.", ["model"], buckets=_TTFT_BUCKETS, registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_e2e_request_latency_seconds",
+            "Completions answered 200 (streamed or not): from the request's arrival to its last byte, by model.",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
-            "vllm_proxy_prompt_tokens", "Prompt tokens of completions answered 200, from the usage the answer "
-            "carries (streams only with stream_options.include_usage).", ["model"], registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_prompt_tokens",
+            "Prompt tokens of completions answered 200, from the usage the answer "
+            "carries (streams only with stream_options.include_usage).",
+            ["model"],
+            registry=registry,
+        )
         self.generation_tokens = Counter(
-            "vllm_proxy_generation_tokens", "Generated tokens of completions answered 200, from the usage the "
-            "answer carries (streams only with stream_options.include_usage).", ["model"], registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_generation_tokens",
+            "Generated tokens of completions answered 200, from the usage the "
+            "answer carries (streams only with stream_options.include_usage).",
+            ["model"],
+            registry=registry,
+        )
         self.websocket_sessions = Counter(
-            "vllm_proxy_websocket_sessions", "WebSocket connections, by route and how they ended: client_closed, "
+            "vllm_proxy_websocket_sessions",
+            "WebSocket connections, by route and how they ended: client_closed, "
             "node_closed, node_lost (no close frame), or refused before accept (unauthorized, model_not_found, "
-            "no_node, upstream_failed, refused_by_node).", ["route", "outcome"], registry=registry,
-        )  # fmt: skip
+            "no_node, upstream_failed, refused_by_node).",
+            ["route", "outcome"],
+            registry=registry,
+        )
         self.websocket_open = Gauge(
-            "vllm_proxy_websocket_sessions_open", "WebSocket connections relayed right now.", ["route"],
-            registry=registry, multiprocess_mode="livesum",
-        )  # fmt: skip
+            "vllm_proxy_websocket_sessions_open",
+            "WebSocket connections relayed right now.",
+            ["route"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
         self._child = LabelChildren()
 
     def request_done(self, route: str, mode: str, status: int, started: float) -> None:
@@ -208,8 +294,16 @@ class ProxyMetrics:
         self._child(self.first_byte_seconds, route, mode).observe(now - started)
         return now
 
-    def generated(self, model: str, started: float, first_at: float | None, streamed: bool, writes: int,
-                  prompt_tokens: int | None, completion_tokens: int | None) -> None:  # fmt: skip
+    def generated(
+        self,
+        model: str,
+        started: float,
+        first_at: float | None,
+        streamed: bool,
+        writes: int,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
         """A completion answered 200: once per request, after its last byte."""
         now = time.monotonic()
         figures = self._figures.get(model)
@@ -229,8 +323,11 @@ class ProxyMetrics:
     def flush(self) -> None:
         """Hand the batched per-model figures to prometheus_client."""
         for model, figures in self._figures.items():
-            for batch, histogram in ((figures.e2e, self.e2e_seconds), (figures.ttft, self.ttft_seconds),
-                                     (figures.itl, self.itl_seconds)):  # fmt: skip
+            for batch, histogram in (
+                (figures.e2e, self.e2e_seconds),
+                (figures.ttft, self.ttft_seconds),
+                (figures.itl, self.itl_seconds),
+            ):
                 if batch.pending:  # a child only for what was observed, as observe() makes it
                     batch.flush(self._child(histogram, model))
             if figures.prompt_tokens:
@@ -300,9 +397,10 @@ class PoolCollector(Collector):
         yield CounterMetricFamily("vllm_proxy_etcd_resyncs", "Re-lists after the first.", value=d.resyncs)
         yield CounterMetricFamily("vllm_proxy_etcd_reconnects", "Watch streams re-established.", value=d.reconnects)
         yield GaugeMetricFamily(
-            "vllm_proxy_etcd_ignored_keys", "Keys ignored now because their key or value is invalid.",
+            "vllm_proxy_etcd_ignored_keys",
+            "Keys ignored now because their key or value is invalid.",
             value=len(d.invalid_records),
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
             "vllm_proxy_etcd_invalid_records", "Invalid keys or values seen since start.", value=d.invalid_total
         )

@@ -39,8 +39,15 @@ def merge_cards(model: str, cards: list[ModelCard], now: int) -> dict[str, Any]:
 
 def adapter_card(adapter: Adapter, now: int) -> dict[str, Any]:
     """A registered LoRA adapter no node lists yet, as vLLM lists an adapter (``root`` its path)."""
-    return {"id": adapter.name, "object": "model", "created": now, "owned_by": "vllm", "root": adapter.path,
-            "parent": adapter.base, "max_model_len": None}  # fmt: skip
+    return {
+        "id": adapter.name,
+        "object": "model",
+        "created": now,
+        "owned_by": "vllm",
+        "root": adapter.path,
+        "parent": adapter.base,
+        "max_model_len": None,
+    }
 
 
 class ModelRoutes:
@@ -64,8 +71,10 @@ class ModelRoutes:
                 for model in state.models:
                     found.setdefault(model, []).append((state.node.node_id, cards.get(model)))
         now = int(time.time())
-        merged = {model: merge_cards(model, [c for _, c in sorted(found[model], key=lambda p: p[0]) if c is not None],
-                                     now) for model in sorted(found)}  # fmt: skip
+        merged = {
+            model: merge_cards(model, [c for _, c in sorted(found[model], key=lambda p: p[0]) if c is not None], now)
+            for model in sorted(found)
+        }
         # Registered adapters of a base model the fleet serves, loaded somewhere or not (issue 19).
         extra = [a for a in (self._adapters.all() if self._adapters else ()) if a.base in found and a.name not in found]
         if not extra:

@@ -31,14 +31,23 @@ class NodeCollector(Collector):
         running = gauge("running", "Requests the node is running (every client's), from its vllm:num_requests_running.")
         waiting = gauge("waiting", "Requests waiting in the node's queue, from its vllm:num_requests_waiting.")
         kv = gauge("kv_cache_usage", "The node's KV-cache usage, 0 to 1, from its vllm:kv_cache_usage_perc.")
-        hits = gauge("prefix_cache_hit_rate", "The node's prefix-cache hits per queried prompt token over the last "
-                     "seconds, from its vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total.")  # fmt: skip
-        itl = gauge("inter_token_latency_seconds", "The node's mean time between output tokens over the last seconds, "
-                    "from its vllm:inter_token_latency_seconds.")  # fmt: skip
+        hits = gauge(
+            "prefix_cache_hit_rate",
+            "The node's prefix-cache hits per queried prompt token over the last "
+            "seconds, from its vllm:prefix_cache_hits_total and vllm:prefix_cache_queries_total.",
+        )
+        itl = gauge(
+            "inter_token_latency_seconds",
+            "The node's mean time between output tokens over the last seconds, "
+            "from its vllm:inter_token_latency_seconds.",
+        )
         age = gauge("scrape_age_seconds", "Seconds since the node's /metrics was last read (--scrape-load).")
         routable = gauge("routable", "1 while this replica routes to the node (serving, models known, not ejected).")
-        per_model = GaugeMetricFamily("vllm_proxy_model_routable_nodes", "Nodes of each role this replica can "
-                                      "route a model's requests to.", labels=["model", "role"])  # fmt: skip
+        per_model = GaugeMetricFamily(
+            "vllm_proxy_model_routable_nodes",
+            "Nodes of each role this replica can route a model's requests to.",
+            labels=["model", "role"],
+        )
         counts: dict[tuple[str, str], int] = {}
         now = time.monotonic()
         for state in self._pool.all():

@@ -100,8 +100,13 @@ class _Supervisor:
                 if process.is_alive():
                     continue
                 if restart_at[index] == 0.0:
-                    log.warning("worker died index=%d pid=%s exitcode=%s; restarting in %gs", index, process.pid,
-                                process.exitcode, backoff[index])  # fmt: skip
+                    log.warning(
+                        "worker died index=%d pid=%s exitcode=%s; restarting in %gs",
+                        index,
+                        process.pid,
+                        process.exitcode,
+                        backoff[index],
+                    )
                     _forget_metrics_of(process.pid)
                     restart_at[index] = now + backoff[index]
                     backoff[index] = min(RESTART_BACKOFF[1], backoff[index] * 2)

@@ -22,8 +22,13 @@ from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 class Policy(Protocol):
     name: str
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
-               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[NodeState],
+        tried: Collection[NodeState] = (),
+        key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:
         """Pick a node, preferring ones not in ``tried``; None when ``candidates`` is empty (``prompt``: kv-aware's)."""
 
 
@@ -51,8 +56,13 @@ class RoundRobin:
     def _among(self, pool: Sequence[NodeState]) -> Sequence[NodeState]:
         return pool
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
-               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[NodeState],
+        tried: Collection[NodeState] = (),
+        key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if not pool:
             return None
@@ -83,8 +93,13 @@ class PowerOfTwo:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
-               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[NodeState],
+        tried: Collection[NodeState] = (),
+        key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if len(pool) <= 1:
             return pool[0] if pool else None
@@ -121,8 +136,13 @@ class ConsistentHash:
         self._owners = [u for _, u in pairs]
         self._ring_of = urls
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
-               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[NodeState],
+        tried: Collection[NodeState] = (),
+        key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool, (), key)
@@ -223,8 +243,13 @@ class CacheAware:
             self._weights = None if all(w == 1.0 for w in weights) else weights
         return self._weights
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
-               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[NodeState],
+        tried: Collection[NodeState] = (),
+        key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if key is None or len(pool) <= 1:
             return self._fallback.choose(pool)

@@ -26,8 +26,13 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-               "thinking": "thinking"}  # fmt: skip
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
 """Content part types vLLM reads as text, and the key holding it."""
 
 
@@ -53,8 +58,9 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -66,8 +72,9 @@ class ChatTemplate:
     """One model's compiled template and the content format vLLM detects for it."""
 
     def __init__(self, source: str, special_tokens: Mapping[str, Any]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[_Generation, jinja2.ext.loopcontrols])  # fmt: skip
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
@@ -86,9 +93,13 @@ class ChatTemplate:
         if not isinstance(extra, dict) or {"chat_template", "tokenize"} & extra.keys():
             raise Unsupported("chat_template_kwargs must be an object without chat_template or tokenize")
         # vLLM starts from the request's fields and lets chat_template_kwargs override them.
-        context: dict[str, Any] = {**self._special, "tools": _tools(body), "documents": body.get("documents"),
-                                   "add_generation_prompt": body.get("add_generation_prompt", True),
-                                   "continue_final_message": body.get("continue_final_message", False)}  # fmt: skip
+        context: dict[str, Any] = {
+            **self._special,
+            "tools": _tools(body),
+            "documents": body.get("documents"),
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "continue_final_message": body.get("continue_final_message", False),
+        }
         context.update((k, v) for k, v in extra.items() if k in self.variables or k in context)
         add, final = context.pop("add_generation_prompt"), context.pop("continue_final_message")
         if not isinstance(add, bool) or not isinstance(final, bool) or (add and final):
@@ -156,12 +167,21 @@ def _tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
     if tools is None:
         return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
-                                              for t in tools):  # fmt: skip
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools
+    ):
         raise ValueError("tools must be a list of function tools")
-    return [{"type": t.get("type", "function"), "function": {"name": t["function"].get("name"),
-             "description": t["function"].get("description"), "parameters": t["function"].get("parameters")}}
-            for t in tools]  # fmt: skip
+    return [
+        {
+            "type": t.get("type", "function"),
+            "function": {
+                "name": t["function"].get("name"),
+                "description": t["function"].get("description"),
+                "parameters": t["function"].get("parameters"),
+            },
+        }
+        for t in tools
+    ]
 
 
 def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
@@ -195,8 +215,11 @@ def _message_names(root: jinja2.nodes.Template) -> Iterator[str]:
         if isinstance(loop.target, jinja2.nodes.Name) and _is_var(loop.iter, "messages"):
             yield loop.target.name
     for assign in root.find_all(jinja2.nodes.Assign):
-        if isinstance(assign.target, jinja2.nodes.Name) and isinstance(assign.node, jinja2.nodes.Getitem) \
-                and _is_var(assign.node.node, "messages"):  # fmt: skip
+        if (
+            isinstance(assign.target, jinja2.nodes.Name)
+            and isinstance(assign.node, jinja2.nodes.Getitem)
+            and _is_var(assign.node.node, "messages")
+        ):
             yield assign.target.name
 
 

@@ -72,8 +72,13 @@ def _expire(expiry: deque[tuple[float, int, int]], table: dict[int, int], now: f
 class KvRouting:
     """What the policy and the request path share: the index, which nodes are tracked, recent decisions."""
 
-    def __init__(self, index: KvIndex, tracked: Callable[[str], bool], active: Callable[[], bool] = lambda: True,
-                 remember: float = REMEMBER) -> None:  # fmt: skip
+    def __init__(
+        self,
+        index: KvIndex,
+        tracked: Callable[[str], bool],
+        active: Callable[[], bool] = lambda: True,
+        remember: float = REMEMBER,
+    ) -> None:
         self.index = index
         self.tracked = tracked
         self.active = active
@@ -166,7 +171,8 @@ class KvRouting:
             if self.tracked(state.entry_key):
                 blocks = index.node(state.entry_key)
                 groups.setdefault(blocks.block_size if blocks is not None else 0, []).append(
-                    (state, index.slot_of(state.entry_key)))  # fmt: skip
+                    (state, index.slot_of(state.entry_key))
+                )
         if not groups:
             return None
         sizes = [size for size in groups if size]
@@ -199,8 +205,14 @@ class KvAware:
 
     name = "kv-aware"
 
-    def __init__(self, routing: KvRouting, fallback: CacheAware | None = None, epsilon: float = EPSILON,
-                 slack: int = SLACK, share: float = CACHED_SHARE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        routing: KvRouting,
+        fallback: CacheAware | None = None,
+        epsilon: float = EPSILON,
+        slack: int = SLACK,
+        share: float = CACHED_SHARE,
+    ) -> None:
         self._routing = routing
         self._fallback = fallback or CacheAware()
         self._epsilon, self._slack, self._share = epsilon, slack, share
@@ -214,8 +226,9 @@ class KvAware:
         depth = tokens // size if size else 0
         return depth > 0 and not self._routing.continues(state, keys[depth - 1])
 
-    def _placement(self, roomy: Sequence[_Found], prompt: KvPrompt, key: str | None,
-                   now: float) -> Callable[[_Found], tuple[float, int, int, int]]:  # fmt: skip
+    def _placement(
+        self, roomy: Sequence[_Found], prompt: KvPrompt, key: str | None, now: float
+    ) -> Callable[[_Found], tuple[float, int, int, int]]:
         """The rank of a node for a new conversation: fewest conversations for its speed, then most cached, then
         least loaded, then the node ranked first for the request's key (alike on every replica)."""
         routing, seed = self._routing, _stable_hash(key or f"prompt:{prompt.ids[:64]}")
@@ -232,8 +245,13 @@ class KvAware:
         self._routing.decisions[reason] += 1
         return state
 
-    def choose(self, candidates: Sequence[NodeState], tried: Collection[NodeState] = (),
-               key: str | None = None, prompt: KvPrompt | None = None) -> NodeState | None:  # fmt: skip
+    def choose(
+        self,
+        candidates: Sequence[NodeState],
+        tried: Collection[NodeState] = (),
+        key: str | None = None,
+        prompt: KvPrompt | None = None,
+    ) -> NodeState | None:
         pool = _untried(candidates, tried)
         if prompt is None or len(pool) <= 1:
             return self._decided("fallback", self._fallback.choose(pool, (), key))

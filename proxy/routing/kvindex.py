@@ -195,8 +195,9 @@ class KvIndex:
             return 0
         return 1 << held if held >= 0 else -held
 
-    def depths(self, keys: Sequence[int], slots: int, extra: dict[int, int] | None = None,
-               extra_slots: int = -1) -> dict[int, int]:  # fmt: skip
+    def depths(
+        self, keys: Sequence[int], slots: int, extra: dict[int, int] | None = None, extra_slots: int = -1
+    ) -> dict[int, int]:
         """For each slot in the bit mask ``slots`` that holds ``keys[0]``: how many of ``keys`` it holds in a row
         from the first. ``extra``: key -> more slots to count as holding it (blocks sent but not announced), of
         which only those in the mask ``extra_slots`` count."""

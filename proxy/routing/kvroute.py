@@ -42,8 +42,11 @@ def token_id_prompt(model: str, body: Mapping[str, Any], kind: str) -> Sequence[
     return None
 
 
-KIND_OF_PATH: Mapping[str, Kind] = {"/v1/completions": "completion", "/v1/chat/completions": "chat",
-                                    "/inference/v1/generate": "generate"}  # fmt: skip
+KIND_OF_PATH: Mapping[str, Kind] = {
+    "/v1/completions": "completion",
+    "/v1/chat/completions": "chat",
+    "/inference/v1/generate": "generate",
+}
 """The paths whose prompts the index can read, and how to read them."""
 
 
@@ -62,8 +65,9 @@ class KvPrompt:
         the prompt's end (vLLM always computes the last prompt token, so that block is never a hit)."""
         found = self._keys.get((block_size, lora))
         if found is None:
-            found = self._keys[(block_size, lora)] = chain(self.ids, block_size, lora,
-                                                           (len(self.ids) - 1) // block_size)  # fmt: skip
+            found = self._keys[(block_size, lora)] = chain(
+                self.ids, block_size, lora, (len(self.ids) - 1) // block_size
+            )
         return found
 
 

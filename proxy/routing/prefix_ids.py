@@ -56,8 +56,9 @@ class Splitter:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         # A token that strips the whitespace after it would take some of the tail: never cut after one.
-        specials = {t.content for t in tokenizer.get_added_tokens_decoder().values()
-                    if t.special and t.content and not t.rstrip}  # fmt: skip
+        specials = {
+            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content and not t.rstrip
+        }
         alternatives = "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
         self._pattern = re.compile(alternatives) if alternatives else None
 
@@ -85,8 +86,7 @@ class Splitter:
             hasher.update(text[start:cut].encode("utf-8", "surrogatepass"))
             keys.append(hasher.copy().digest())
             start = cut
-        found = next(((i, ids) for i in range(len(cuts) - 1, -1, -1) if (ids := cache.get(keys[i])) is not None),
-                     None)  # fmt: skip
+        found = next(((i, ids) for i in range(len(cuts) - 1, -1, -1) if (ids := cache.get(keys[i])) is not None), None)
         head, at = (found[1], cuts[found[0]]) if found else (array("I"), 0)
         if found is None or found[0] < len(cuts) - 1:
             encoding = self._tokenizer.encode(text[at:], add_special_tokens=False)

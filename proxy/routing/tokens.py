@@ -48,9 +48,11 @@ CHECKED_SPLITS = 4
 """Chats per model whose incremental ids are also checked against tokenizing whole."""
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _SAMPLE_CHAT = [
-    {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"},
-    {"role": "assistant", "content": "Hi! How can I help?"}, {"role": "user", "content": "Count to 3."},
-]  # fmt: skip
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello there"},
+    {"role": "assistant", "content": "Hi! How can I help?"},
+    {"role": "user", "content": "Count to 3."},
+]
 
 
 @dataclass(kw_only=True, eq=False)
@@ -87,8 +89,11 @@ def _files(source: str) -> tuple[Path, Path | None, Path | None]:
         except Exception:  # noqa: BLE001 - absent from the repository, or the hub unreachable
             return None
 
-    return Path(hf_hub_download(source, "tokenizer.json")), optional("tokenizer_config.json"), \
-        optional("chat_template.jinja")  # fmt: skip
+    return (
+        Path(hf_hub_download(source, "tokenizer.json")),
+        optional("tokenizer_config.json"),
+        optional("chat_template.jinja"),
+    )
 
 
 def load(source: str) -> Loaded:
@@ -116,8 +121,12 @@ def load(source: str) -> Loaded:
         }
     templates = {name: ChatTemplate(text, special) for name, text in named.items()}
     splitter = Splitter(tokenizer)
-    return Loaded(source=source, tokenizer=tokenizer, templates=templates,
-                  splitter=splitter if splitter.cleanly(_samples(tokenizer, templates.values())) else None)  # fmt: skip
+    return Loaded(
+        source=source,
+        tokenizer=tokenizer,
+        templates=templates,
+        splitter=splitter if splitter.cleanly(_samples(tokenizer, templates.values())) else None,
+    )
 
 
 def _samples(tokenizer: Tokenizer, templates: Iterable[ChatTemplate]) -> list[str]:
@@ -135,15 +144,23 @@ def _samples(tokenizer: Tokenizer, templates: Iterable[ChatTemplate]) -> list[st
 class PromptTokens:
     """``prompt_ids(model, body, kind)``: the ids of the module docstring, or None."""
 
-    def __init__(self, sources: Mapping[str, str], cards: Callable[[str], Sequence[ModelCard]],
-                 registry: CollectorRegistry, *, cache_tokens: int = CACHE_TOKENS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sources: Mapping[str, str],
+        cards: Callable[[str], Sequence[ModelCard]],
+        registry: CollectorRegistry,
+        *,
+        cache_tokens: int = CACHE_TOKENS,
+    ) -> None:
         self._sources = dict(sources)
         self._cards = cards
         self._outcomes = Counter(
-            "vllm_proxy_prompt_tokenize", "Requests turned into token ids for routing, by outcome: ids (token ids "
+            "vllm_proxy_prompt_tokenize",
+            "Requests turned into token ids for routing, by outcome: ids (token ids "
             "given), whole, incremental (earlier turns' ids reused), loading, no_tokenizer, unsupported, failed.",
-            ["outcome"], registry=registry,
-        )  # fmt: skip
+            ["outcome"],
+            registry=registry,
+        )
         self._cache = PrefixIds(cache_tokens)
         self._reuse = cache_tokens > 0
         """False: every chat is tokenized whole (``cache_tokens=0``)."""
@@ -152,8 +169,11 @@ class PromptTokens:
         self._loads: dict[str, Future[Loaded]] = {}
         self._failed: dict[str, float] = {}
         self._warned: set[tuple[str, str]] = set()
-        loaded = Gauge("vllm_proxy_tokenizers_loaded", "Tokenizers loaded for routing on KV-cache events (from "
-                       "--tokenizer, or a model card's local root).", registry=registry)  # fmt: skip
+        loaded = Gauge(
+            "vllm_proxy_tokenizers_loaded",
+            "Tokenizers loaded for routing on KV-cache events (from --tokenizer, or a model card's local root).",
+            registry=registry,
+        )
         loaded.set_function(lambda: sum(1 for f in list(self._loads.values()) if f.done() and not f.exception()))
 
     def start(self) -> None:
@@ -219,8 +239,12 @@ class PromptTokens:
             loaded.checks_left -= 1
             if ids != splitter.encode(text):
                 loaded.splitter = None
-                self._warn(model, "split", "reusing earlier turns' ids gave other ids than tokenizing whole; "
-                           "its chats are tokenized whole from now on")  # fmt: skip
+                self._warn(
+                    model,
+                    "split",
+                    "reusing earlier turns' ids gave other ids than tokenizing whole; "
+                    "its chats are tokenized whole from now on",
+                )
                 return "whole", splitter.encode(text)
         return ("incremental" if reused else "whole"), ids
 
@@ -229,8 +253,12 @@ class PromptTokens:
         if source is None:
             if not known:  # no node has told its models yet, or a model no node serves
                 return None, "no_tokenizer"
-            self._warn(model, "none", "no tokenizer (give --tokenizer MODEL=PATH, or serve it from a local "
-                       "directory with tokenizer.json); routing by content affinity")  # fmt: skip
+            self._warn(
+                model,
+                "none",
+                "no tokenizer (give --tokenizer MODEL=PATH, or serve it from a local "
+                "directory with tokenizer.json); routing by content affinity",
+            )
             return None, "no_tokenizer"
         future = self._load(source)
         if future is None:

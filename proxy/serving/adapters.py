@@ -55,8 +55,14 @@ class LoadFailed(Exception):
 class AdapterLoader:
     """Loads registered adapters where requests need them; built in the app's lifespan, ``close``d there."""
 
-    def __init__(self, pool: Pool, registry: AdapterRegistry, client: httpx.AsyncClient, metrics: ProxyMetrics,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: Pool,
+        registry: AdapterRegistry,
+        client: httpx.AsyncClient,
+        metrics: ProxyMetrics,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self._pool = pool
         self._metrics = metrics
         self._registry = registry
@@ -95,8 +101,12 @@ class AdapterLoader:
 
     def _targets(self, adapter: Adapter) -> list[NodeState]:
         """Nodes of the base model that could load the adapter now, best first."""
-        nodes = [s for role in ROLES for s in self._pool.candidates(role, adapter.base)
-                 if adapter.name not in s.models and not self._held(s, adapter.name)]  # fmt: skip
+        nodes = [
+            s
+            for role in ROLES
+            for s in self._pool.candidates(role, adapter.base)
+            if adapter.name not in s.models and not self._held(s, adapter.name)
+        ]
 
         def rank(state: NodeState) -> tuple[bool, int, int]:
             full = state.max_loras is not None and len(state.lora_running) >= state.max_loras
@@ -128,10 +138,13 @@ class AdapterLoader:
             known = ", ".join(sorted({*served, *(a.name for a in self.listed(served))})) or "none"
             return ModelNotFound(f"The model `{adapter.name}` does not exist. Known models: {known}.", param="model")
         if answers:
-            return UpstreamFailed(f"LoRA adapter {adapter.name!r} could not be loaded on a node of {adapter.base!r}: "
-                                  + "; ".join(answers))  # fmt: skip
-        return NoNodeAvailable(f"no node of base model {adapter.base!r} is available to load LoRA adapter "
-                               f"{adapter.name!r}; retry shortly")  # fmt: skip
+            return UpstreamFailed(
+                f"LoRA adapter {adapter.name!r} could not be loaded on a node of {adapter.base!r}: "
+                + "; ".join(answers)
+            )
+        return NoNodeAvailable(
+            f"no node of base model {adapter.base!r} is available to load LoRA adapter {adapter.name!r}; retry shortly"
+        )
 
     def _grow(self, adapter: Adapter, have: list[NodeState]) -> None:
         if any(name == adapter.name for _, name in self._loads):
@@ -172,14 +185,18 @@ class AdapterLoader:
         body = {"lora_name": adapter.name, "lora_path": adapter.path}
         log.info("loading adapter name=%s node=%s", adapter.name, node.node_id)
         try:
-            response = await self._client.post(f"{node.url}/v1/load_lora_adapter", json=body,
-                                               headers=self._headers, timeout=LOAD_TIMEOUT)  # fmt: skip
+            response = await self._client.post(
+                f"{node.url}/v1/load_lora_adapter", json=body, headers=self._headers, timeout=LOAD_TIMEOUT
+            )
         except httpx.HTTPError as exc:
             self._fail(state, adapter, f"{type(exc).__name__}")
         already = response.status_code == 400 and "has already been loaded" in response.text
         if response.status_code != 200 and not already:
-            hint = " (is VLLM_ALLOW_RUNTIME_LORA_UPDATING set on it?)" if response.status_code == 404 and \
-                "detail" in response.text else ""  # fmt: skip
+            hint = (
+                " (is VLLM_ALLOW_RUNTIME_LORA_UPDATING set on it?)"
+                if response.status_code == 404 and "detail" in response.text
+                else ""
+            )
             self._fail(state, adapter, f"{response.status_code} {_message(response)}{hint}")
         log.info("adapter loaded name=%s node=%s already=%s", adapter.name, node.node_id, already)
         self._metrics.adapter_loads.labels(adapter.name, "already" if already else "loaded").inc()

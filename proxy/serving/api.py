@@ -128,8 +128,9 @@ class OpenAIRoutes:
         ticket: Ticket | None = None
         if self._tracer is not None:
             forwarded, parent = split_trace_headers(forwarded)
-            trace = self._tracer.request(method=scope["method"], route=route, request_id=client.request_id,
-                                         started=started, parent=parent)  # fmt: skip
+            trace = self._tracer.request(
+                method=scope["method"], route=route, request_id=client.request_id, started=started, parent=parent
+            )
         try:
             limits = self._keys.check(client.authorization)
             if kind is Kind.NODE_ADMIN:
@@ -148,22 +149,39 @@ class OpenAIRoutes:
                 mode, exchange = "pinned", self._by_response_id(path, target, head, raw, method, trace)
             else:
                 body, model = request_model(client, raw, query, kind, path, self._pool.models)
-                hints = (route_hints(self._prefixes, body, client.session,
-                                     count_uncached=self._pd_min_prompt_tokens > 0)
-                         if self._read_prompts and body is not None else _NO_HINTS)  # fmt: skip
-                prompt = (read_prompt(self._prompt_ids, model, path, body)
-                          if self._kv is not None and body is not None and self._kv.active() else None)  # fmt: skip
-                request = _Request(path=path, target=target, model=model, head=head, method=method,
-                                   affinity=hints.key if self._affinity else None,
-                                   uncached_tokens=hints.uncached_tokens, trace=trace, prompt=prompt)  # fmt: skip
+                hints = (
+                    route_hints(self._prefixes, body, client.session, count_uncached=self._pd_min_prompt_tokens > 0)
+                    if self._read_prompts and body is not None
+                    else _NO_HINTS
+                )
+                prompt = (
+                    read_prompt(self._prompt_ids, model, path, body)
+                    if self._kv is not None and body is not None and self._kv.active()
+                    else None
+                )
+                request = _Request(
+                    path=path,
+                    target=target,
+                    model=model,
+                    head=head,
+                    method=method,
+                    affinity=hints.key if self._affinity else None,
+                    uncached_tokens=hints.uncached_tokens,
+                    trace=trace,
+                    prompt=prompt,
+                )
                 if kind is Kind.GENERATE:
                     tally = Tally()
                 if kind is Kind.RESPONSES and body is not None:
                     mode, exchange = self._new_response(request, raw, body)
                 else:
                     mode, exchange = self._exchange(request, raw, body if kind is Kind.GENERATE else None)
-                if self._max_resumes and kind is Kind.GENERATE and body is not None and \
-                        not_resumable(path, body) is None:  # fmt: skip
+                if (
+                    self._max_resumes
+                    and kind is Kind.GENERATE
+                    and body is not None
+                    and not_resumable(path, body) is None
+                ):
                     plan = self._resume_plan(request, body)
             if self._tenancy is not None and (limits is not None or self._tenancy.queue is not None):
                 ticket, send = await self._tenancy.admit(limits, model, body, len(raw), receive, send)
@@ -180,16 +198,32 @@ class OpenAIRoutes:
             return
         status = 499
         try:
-            status = await self._relay(exchange, receive, send, route=route, mode=mode, request_id=client.request_id,
-                                       started=started, plan=plan, tally=tally)  # fmt: skip
+            status = await self._relay(
+                exchange,
+                receive,
+                send,
+                route=route,
+                mode=mode,
+                request_id=client.request_id,
+                started=started,
+                plan=plan,
+                tally=tally,
+            )
         finally:
             self._limit.release()
             self._metrics.request_done(route, mode, status, started)
             if tally is not None or trace is not None or ticket is not None:
                 self._done(status, model, started, tally, trace, ticket)
 
-    def _done(self, status: int, model: str | None, started: float, tally: Tally | None,
-              trace: RequestTrace | None, ticket: Ticket | None = None) -> None:  # fmt: skip
+    def _done(
+        self,
+        status: int,
+        model: str | None,
+        started: float,
+        tally: Tally | None,
+        trace: RequestTrace | None,
+        ticket: Ticket | None = None,
+    ) -> None:
         """Per-model metrics and the request's span, once the answer is through."""
         prompt = completion = None
         if status == 200 and tally is not None and model is not None:
@@ -211,11 +245,21 @@ class OpenAIRoutes:
 
         return ResumePlan(path=request.path, body=body, reopen=reopen, max_resumes=self._max_resumes)
 
-    def _by_response_id(self, path: str, target: bytes, head: bytes, raw: bytes, method: bytes,
-                        trace: RequestTrace | None) -> Exchange:  # fmt: skip
+    def _by_response_id(
+        self, path: str, target: bytes, head: bytes, raw: bytes, method: bytes, trace: RequestTrace | None
+    ) -> Exchange:
         holder = self._ids.holder(response_id_of(path))
-        leg = Leg(roles=(holder.node.role,), model="", path=target, head=head, body=raw,
-                  timeout=self._first_byte_timeout, method=method, pinned=holder, trace=trace)  # fmt: skip
+        leg = Leg(
+            roles=(holder.node.role,),
+            model="",
+            path=target,
+            head=head,
+            body=raw,
+            timeout=self._first_byte_timeout,
+            method=method,
+            pinned=holder,
+            trace=trace,
+        )
         return self._open(leg)
 
     def _new_response(self, request: _Request, raw: bytes, body: dict[str, Any]) -> tuple[str, Exchange]:
@@ -225,10 +269,19 @@ class OpenAIRoutes:
         holder = ids.holder(previous) if previous is not None and ids.is_ours(previous) else None
         if holder is None:
             self._check_routable(request.model, _MIXED_ROLES)
-        leg = Leg(roles=_MIXED_ROLES, model=request.model, path=request.target, head=request.head, body=raw,
-                  timeout=self._first_byte_timeout, affinity=request.affinity, pinned=holder, trace=request.trace,
-                  prompt=request.prompt,
-                  body_for=lambda state: ids.new_response_body(raw, body, state))  # fmt: skip
+        leg = Leg(
+            roles=_MIXED_ROLES,
+            model=request.model,
+            path=request.target,
+            head=request.head,
+            body=raw,
+            timeout=self._first_byte_timeout,
+            affinity=request.affinity,
+            pinned=holder,
+            trace=request.trace,
+            prompt=request.prompt,
+            body_for=lambda state: ids.new_response_body(raw, body, state),
+        )
         return ("pinned" if holder is not None else "mixed"), self._open(leg)
 
     def _open(self, leg: Leg, avoid: tuple[NodeState, ...] = ()) -> Exchange:
@@ -239,8 +292,9 @@ class OpenAIRoutes:
 
         return one_leg
 
-    def _exchange(self, request: _Request, raw: bytes, body: dict[str, Any] | None,
-                  avoid: tuple[NodeState, ...] = ()) -> tuple[str, Exchange]:  # fmt: skip
+    def _exchange(
+        self, request: _Request, raw: bytes, body: dict[str, Any] | None, avoid: tuple[NodeState, ...] = ()
+    ) -> tuple[str, Exchange]:
         """The flow for this request: ("disagg", "decode" or "mixed", what runs it). ``body`` is given for the
         generate routes only (the others never take the disaggregated flow)."""
         pool, model, head = self._pool, request.model, request.head
@@ -255,9 +309,17 @@ class OpenAIRoutes:
             disagg = self._disagg
 
             async def disaggregated() -> Upstream | ErrorAnswer:
-                return await disagg.run(path=request.target, model=model, raw=raw, body=body, head=head,
-                                        affinity=request.affinity, avoid=avoid, trace=request.trace,
-                                        prompt=request.prompt)  # fmt: skip
+                return await disagg.run(
+                    path=request.target,
+                    model=model,
+                    raw=raw,
+                    body=body,
+                    head=head,
+                    affinity=request.affinity,
+                    avoid=avoid,
+                    trace=request.trace,
+                    prompt=request.prompt,
+                )
 
             return "disagg", disaggregated
         if self._adapters is not None and (adapter := self._adapters.registered(model)) is not None:
@@ -265,8 +327,7 @@ class OpenAIRoutes:
         self._check_routable(model, _MIXED_ROLES)
         return "mixed", self._one_leg(request, raw, _MIXED_ROLES, avoid)
 
-    def _adapter_leg(self, request: _Request, raw: bytes, adapter: Adapter,
-                     avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
+    def _adapter_leg(self, request: _Request, raw: bytes, adapter: Adapter, avoid: tuple[NodeState, ...]) -> Exchange:
         """A registered LoRA adapter's request: loaded on a node first when none has it (serving/adapters.py)."""
         assert self._adapters is not None
         loader, one_leg = self._adapters, self._one_leg(request, raw, _MIXED_ROLES, avoid)
@@ -276,13 +337,23 @@ class OpenAIRoutes:
 
         return adapted
 
-    def _one_leg(self, request: _Request, raw: bytes, roles: tuple[Role, ...],
-                 avoid: tuple[NodeState, ...]) -> Exchange:  # fmt: skip
+    def _one_leg(
+        self, request: _Request, raw: bytes, roles: tuple[Role, ...], avoid: tuple[NodeState, ...]
+    ) -> Exchange:
         # Not disaggregated: the body goes to the node byte for byte.
-        leg = Leg(roles=roles, model=request.model, path=request.target, head=request.head, body=raw,
-                  timeout=self._first_byte_timeout, affinity=request.affinity, method=request.method,
-                  trace=request.trace, prompt=request.prompt,
-                  prefer=self._adapters.prefer(request.model) if self._adapters is not None else None)  # fmt: skip
+        leg = Leg(
+            roles=roles,
+            model=request.model,
+            path=request.target,
+            head=request.head,
+            body=raw,
+            timeout=self._first_byte_timeout,
+            affinity=request.affinity,
+            method=request.method,
+            trace=request.trace,
+            prompt=request.prompt,
+            prefer=self._adapters.prefer(request.model) if self._adapters is not None else None,
+        )
         return self._open(leg, avoid)
 
 

@@ -38,8 +38,9 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-_DROPPED_FOR_PREFILL = frozenset(["stream_options", "min_tokens", "min_completion_tokens", "max_tokens", "stream",
-                                  "kv_transfer_params"])  # fmt: skip
+_DROPPED_FOR_PREFILL = frozenset(
+    ["stream_options", "min_tokens", "min_completion_tokens", "max_tokens", "stream", "kv_transfer_params"]
+)
 _MAX_PREFILL_ANSWER = 16 * 1024 * 1024
 
 
@@ -83,23 +84,49 @@ class Disaggregator:
         trace: RequestTrace | None = None,
         prompt: KvPrompt | None = None,
     ) -> Upstream | ErrorAnswer:
-        kv = await self._prefill(path=path, model=model, body=body, head=head, affinity=affinity, trace=trace,
-                                 prompt=prompt)  # fmt: skip
+        kv = await self._prefill(
+            path=path, model=model, body=body, head=head, affinity=affinity, trace=trace, prompt=prompt
+        )
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
-        leg = Leg(roles=(Role.DECODE,), model=model, path=path, head=head, timeout=self._timeouts.first_byte,
-                  body=decode_body(raw, body, kv), affinity=affinity, trace=trace, prompt=prompt)  # fmt: skip
+        leg = Leg(
+            roles=(Role.DECODE,),
+            model=model,
+            path=path,
+            head=head,
+            timeout=self._timeouts.first_byte,
+            body=decode_body(raw, body, kv),
+            affinity=affinity,
+            trace=trace,
+            prompt=prompt,
+        )
         return await self._forwarder.open(leg, avoid)
 
     async def _prefill(
-        self, *, path: bytes, model: str, body: Mapping[str, Any], head: bytes, affinity: str | None,
-        trace: RequestTrace | None, prompt: KvPrompt | None = None,
+        self,
+        *,
+        path: bytes,
+        model: str,
+        body: Mapping[str, Any],
+        head: bytes,
+        affinity: str | None,
+        trace: RequestTrace | None,
+        prompt: KvPrompt | None = None,
     ) -> Any:
         """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
         total = self._timeouts.prefill
-        leg = Leg(roles=(Role.PREFILL,), model=model, path=path, head=head, timeout=total, trace=trace,
-                  deadline=time.monotonic() + total, body=prefill_body(body), affinity=affinity,
-                  prompt=prompt)  # fmt: skip
+        leg = Leg(
+            roles=(Role.PREFILL,),
+            model=model,
+            path=path,
+            head=head,
+            timeout=total,
+            trace=trace,
+            deadline=time.monotonic() + total,
+            body=prefill_body(body),
+            affinity=affinity,
+            prompt=prompt,
+        )
         try:
             answer = await self._forwarder.open(leg)
         except UpstreamTimeout:
@@ -121,6 +148,8 @@ class Disaggregator:
             raise UpstreamFailed("prefill node answered something that is not JSON") from None
         kv = data.get("kv_transfer_params") if isinstance(data, dict) else None
         if kv is None:
-            log.warning("prefill answer has no kv_transfer_params node=%s; decode will recompute the prompt",
-                        answer.state.node.node_id)  # fmt: skip
+            log.warning(
+                "prefill answer has no kv_transfer_params node=%s; decode will recompute the prompt",
+                answer.state.node.node_id,
+            )
         return kv

@@ -87,8 +87,9 @@ def urlencoded_field(text: bytes, name: str) -> str | None:
     return values[0] if values else None
 
 
-def request_model(client: ClientRequest, raw: bytes, query: bytes, kind: Kind, path: str,
-                  served: Callable[[], list[str]]) -> tuple[dict[str, Any] | None, str]:  # fmt: skip
+def request_model(
+    client: ClientRequest, raw: bytes, query: bytes, kind: Kind, path: str, served: Callable[[], list[str]]
+) -> tuple[dict[str, Any] | None, str]:
     """The parsed JSON body (None for another kind of body) and the model the request is for; a request that
     names none goes to the fleet's first model (``served()``)."""
     body: dict[str, Any] | None = None

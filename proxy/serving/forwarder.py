@@ -29,9 +29,18 @@ from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, Upstream
 log = logging.getLogger(__name__)
 
 HOP_BY_HOP = frozenset(
-    [b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer", b"trailers",
-     b"transfer-encoding", b"upgrade"]
-)  # fmt: skip
+    [
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    ]
+)
 NOT_FORWARDED = HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"x-request-id", b"expect"}
 """Client request headers the nodes never see (the transport sets Host and Content-Length itself)."""
 _NOT_RETURNED = HOP_BY_HOP | {b"server", b"date"}
@@ -96,8 +105,14 @@ class Upstream:
 
     __slots__ = ("state", "role", "response", "_forwarder", "_closed", "span")
 
-    def __init__(self, forwarder: Forwarder, state: NodeState, role: Role, response: UpstreamResponse,
-                 span: LegSpan | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        forwarder: Forwarder,
+        state: NodeState,
+        role: Role,
+        response: UpstreamResponse,
+        span: LegSpan | None = None,
+    ) -> None:
         self._forwarder = forwarder
         self.state = state
         self.role = role
@@ -201,18 +216,25 @@ class Forwarder:
             raise last_error
         raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {leg.model!r}")
 
-    async def _attempt(self, state: NodeState, role: Role, leg: Leg,
-                       attempt: int) -> Upstream | ErrorAnswer | ProxyError:  # fmt: skip
+    async def _attempt(
+        self, state: NodeState, role: Role, leg: Leg, attempt: int
+    ) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
         timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
         body = leg.body if leg.body_for is None else leg.body_for(state)
         head, span = leg.head, None
         if leg.trace is not None:
-            span = leg.trace.leg(role=role.value, node_id=node.node_id, url=node.url, model=leg.model,
-                                 attempt=attempt)  # fmt: skip
+            span = leg.trace.leg(role=role.value, node_id=node.node_id, url=node.url, model=leg.model, attempt=attempt)
             head += span.headers
-        request = UpstreamRequest(origin=Origin.of(node.url), path=leg.path, head=head, body=body,
-                                  timeout=timeout, idle_timeout=self._idle, method=leg.method)  # fmt: skip
+        request = UpstreamRequest(
+            origin=Origin.of(node.url),
+            path=leg.path,
+            head=head,
+            body=body,
+            timeout=timeout,
+            idle_timeout=self._idle,
+            method=leg.method,
+        )
         self._pool.request_started(state)
         try:
             response = await self._transport.send(request)
@@ -247,8 +269,16 @@ class Forwarder:
         # probation would end before the node proved anything; the exchange counts when it ends (release).
         return Upstream(self, state, role, response, span)
 
-    def _failed(self, state: NodeState, role: Role, outcome: str, span: LegSpan | None, *, failed: bool = True,
-                status: int | None = None) -> None:  # fmt: skip
+    def _failed(
+        self,
+        state: NodeState,
+        role: Role,
+        outcome: str,
+        span: LegSpan | None,
+        *,
+        failed: bool = True,
+        status: int | None = None,
+    ) -> None:
         self.release(state, role, outcome, failed=failed)
         if span is not None:
             span.end(outcome, status)

@@ -76,10 +76,13 @@ def read_headers(scope: Scope, *, session_header: bytes, backend_auth: bytes | N
     if backend_auth is not None:
         forwarded.append((b"authorization", backend_auth))
     return ClientRequest(
-        forwarded=forwarded, request_id=rid, authorization=authorization,
+        forwarded=forwarded,
+        request_id=rid,
+        authorization=authorization,
         content_length=int(length) if length is not None and length.isdigit() else None,
-        session=session.decode("latin-1") if session else None, content_type=content_type,
-    )  # fmt: skip
+        session=session.decode("latin-1") if session else None,
+        content_type=content_type,
+    )
 
 
 async def read_body(receive: Receive, declared: int | None, limits: BodyLimits) -> bytes:

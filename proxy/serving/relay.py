@@ -101,9 +101,19 @@ class Relay:
     def __init__(self, metrics: ProxyMetrics) -> None:
         self._metrics = metrics
 
-    async def __call__(self, exchange: Exchange, receive: Receive, send: Send, *, route: str, mode: str,
-                       request_id: str, started: float, plan: ResumePlan | None = None,
-                       tally: Tally | None = None) -> int:  # fmt: skip
+    async def __call__(
+        self,
+        exchange: Exchange,
+        receive: Receive,
+        send: Send,
+        *,
+        route: str,
+        mode: str,
+        request_id: str,
+        started: float,
+        plan: ResumePlan | None = None,
+        tally: Tally | None = None,
+    ) -> int:
         """Returns the HTTP status the client got (499 when it left first)."""
         status = 499
         watch = _DisconnectWatch(receive)
@@ -120,8 +130,18 @@ class Relay:
             watch.stop()
         return status
 
-    async def _run(self, exchange: Exchange, send: Send, watch: _DisconnectWatch, route: str, mode: str,
-                   request_id: str, started: float, plan: ResumePlan | None, tally: Tally | None) -> int:  # fmt: skip
+    async def _run(
+        self,
+        exchange: Exchange,
+        send: Send,
+        watch: _DisconnectWatch,
+        route: str,
+        mode: str,
+        request_id: str,
+        started: float,
+        plan: ResumePlan | None,
+        tally: Tally | None,
+    ) -> int:
         # Before the last body message goes out, the watch is told: once it is sent, uvicorn reports
         # "disconnect" to receive(), which is not a client leaving.
         try:
@@ -149,8 +169,17 @@ class Relay:
             headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
         await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
 
-    async def _relay(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str, mode: str,
-                     request_id: str, started: float, tally: Tally | None) -> None:  # fmt: skip
+    async def _relay(
+        self,
+        upstream: Upstream,
+        send: Send,
+        watch: _DisconnectWatch,
+        route: str,
+        mode: str,
+        request_id: str,
+        started: float,
+        tally: Tally | None,
+    ) -> None:
         outcome = "cancelled"
         response = upstream.response
         try:
@@ -195,9 +224,18 @@ class Relay:
         if upstream.span is not None:
             upstream.span.first_byte()
 
-    async def _relay_resumable(self, upstream: Upstream, send: Send, watch: _DisconnectWatch, route: str,
-                               mode: str, request_id: str, started: float, plan: ResumePlan,
-                               tally: Tally | None) -> None:  # fmt: skip
+    async def _relay_resumable(
+        self,
+        upstream: Upstream,
+        send: Send,
+        watch: _DisconnectWatch,
+        route: str,
+        mode: str,
+        request_id: str,
+        started: float,
+        plan: ResumePlan,
+        tally: Tally | None,
+    ) -> None:
         """Relay an SSE answer event by event; when its node fails, go on from another node (resume.py)."""
         sent = StreamLog()
         splice: Splice | None = None
@@ -228,9 +266,13 @@ class Relay:
             body = continuation_body(plan.path, plan.body, done)
             if body is None:  # the answer was complete but for its end
                 self._metrics.resume("completed")
-                log.warning("stream's node failed after its last token request_id=%s node=%s error=%s; ended by "
-                            "the proxy (without the node's usage chunk)", request_id, failed_node,
-                            failure.message)  # fmt: skip
+                log.warning(
+                    "stream's node failed after its last token request_id=%s node=%s error=%s; ended by "
+                    "the proxy (without the node's usage chunk)",
+                    request_id,
+                    failed_node,
+                    failure.message,
+                )
                 await send({"type": "http.response.body", "body": DONE, "more_body": True})
                 break
             resumes += 1
@@ -250,8 +292,15 @@ class Relay:
                 await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": False})
                 return
             self._metrics.resume("resumed")
-            log.warning("stream resumed request_id=%s from=%s to=%s tokens_sent=%d resume=%d reason=%s", request_id,
-                        failed_node, answer.state.node.node_id, done.tokens, resumes, failure.message)  # fmt: skip
+            log.warning(
+                "stream resumed request_id=%s from=%s to=%s tokens_sent=%d resume=%d reason=%s",
+                request_id,
+                failed_node,
+                answer.state.node.node_id,
+                done.tokens,
+                resumes,
+                failure.message,
+            )
             splice = Splice(plan.path, done)
             current = answer
         self._metrics.stream_chunks.inc(sent.writes)
@@ -260,8 +309,17 @@ class Relay:
         watch.finished = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _pump(self, upstream: Upstream, send: Send, sent: StreamLog, splice: Splice | None, route: str,
-                    mode: str, started: float, tally: Tally | None) -> None:  # fmt: skip
+    async def _pump(
+        self,
+        upstream: Upstream,
+        send: Send,
+        sent: StreamLog,
+        splice: Splice | None,
+        route: str,
+        mode: str,
+        started: float,
+        tally: Tally | None,
+    ) -> None:
         """Relay whole events until ``[DONE]`` and the end of the body; raise ``ProxyError`` when the node fails."""
         read, cut, add = upstream.response.read, sent.cut, sent.add
         first = started > 0 and splice is None

@@ -27,8 +27,7 @@ from vllm_etcd_proxy.proxy.errors import UpstreamFailed
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 DONE = b"data: [DONE]\n\n"
-_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools",
-           "functions")  # fmt: skip
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools", "functions")
 
 
 class NodeErrorEvent(UpstreamFailed):
@@ -54,15 +53,17 @@ def not_resumable(path: str, body: Mapping[str, Any]) -> str | None:
     if any(body.get(name) for name in _GUIDED) or body.get("tool_choice") not in (None, "none"):
         return "guided decoding or tools"
     response_format = body.get("response_format")
-    if response_format is not None and not (isinstance(response_format, dict) and
-                                            response_format.get("type") in (None, "text")):  # fmt: skip
+    if response_format is not None and not (
+        isinstance(response_format, dict) and response_format.get("type") in (None, "text")
+    ):
         return "a response_format"
     return None
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)  # fmt: skip
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 class StreamLog:

@@ -28,14 +28,44 @@ class Kind(Enum):
     """Anything else: to a node serving the request's model, byte for byte."""
 
 
-OWN_PATHS = frozenset(["/health", "/ready", "/status", "/metrics", "/list_models", "/list_workers", "/v1/models",
-                       "/instances/add", "/instances/remove", "/dashboard"])  # fmt: skip
+OWN_PATHS = frozenset(
+    [
+        "/health",
+        "/ready",
+        "/status",
+        "/metrics",
+        "/list_models",
+        "/list_workers",
+        "/v1/models",
+        "/instances/add",
+        "/instances/remove",
+        "/dashboard",
+    ]
+)
 NODE_ADMIN_PATHS = frozenset(
-    ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/sleep", "/wake_up", "/is_sleeping",
-     "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/start_profile", "/stop_profile",
-     "/collective_rpc", "/scale_elastic_ep", "/is_scaling_elastic_ep", "/pause", "/resume", "/is_paused",
-     "/update_weights", "/server_info", "/init_weight_transfer", "/update_weights_from_disk"]
-)  # fmt: skip
+    [
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+        "/reset_mm_cache",
+        "/reset_encoder_cache",
+        "/start_profile",
+        "/stop_profile",
+        "/collective_rpc",
+        "/scale_elastic_ep",
+        "/is_scaling_elastic_ep",
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/update_weights",
+        "/server_info",
+        "/init_weight_transfer",
+        "/update_weights_from_disk",
+    ]
+)
 """vLLM's routes that change or inspect one node's engine (most exist only in its dev mode or with an env flag)."""
 GENERATE_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 RESPONSES_PATH = "/v1/responses"
@@ -43,11 +73,32 @@ _BY_ID = re.compile(r"^/v1/responses/([^/]{1,256})(/[a-z_]{1,32})?$")
 MODEL_CARD_PREFIX = "/v1/models/"
 
 METRIC_ROUTES = frozenset(
-    ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/responses",
-     "/v1/audio/transcriptions", "/v1/audio/translations", "/v1/pooling", "/v1/classify", "/tokenize",
-     "/detokenize", "/v1/messages", "/rerank", "/score", "/pooling", "/classify", "/v2/rerank", "/v2/embed",
-     "/inference/v1/generate", "/version", "/tokenizer_info", "/v1/realtime"]
-)  # fmt: skip
+    [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
+        "/v1/responses",
+        "/v1/audio/transcriptions",
+        "/v1/audio/translations",
+        "/v1/pooling",
+        "/v1/classify",
+        "/tokenize",
+        "/detokenize",
+        "/v1/messages",
+        "/rerank",
+        "/score",
+        "/pooling",
+        "/classify",
+        "/v2/rerank",
+        "/v2/embed",
+        "/inference/v1/generate",
+        "/version",
+        "/tokenizer_info",
+        "/v1/realtime",
+    ]
+)
 """Routes named as such in metrics; any other forwarded path counts as ``other`` (bounded label values)."""
 BY_ID_ROUTE = "/v1/responses/{id}"
 

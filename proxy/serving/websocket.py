@@ -49,8 +49,14 @@ class _Handshake(NamedTuple):
 class WebSocketProxy:
     """The ASGI handler of every WebSocket connection: check the key, pick a node, relay until one side closes."""
 
-    def __init__(self, pool: Pool, policies: Mapping[Role, Policy], keys: ClientKeys, metrics: ProxyMetrics,
-                 settings: ProxySettings) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: Pool,
+        policies: Mapping[Role, Policy],
+        keys: ClientKeys,
+        metrics: ProxyMetrics,
+        settings: ProxySettings,
+    ) -> None:
         self._pool, self._policies, self._keys, self._metrics = pool, policies, keys, metrics
         self._attempts = settings.max_attempts
         self._connect_timeout = settings.timeouts.connect
@@ -68,10 +74,14 @@ class WebSocketProxy:
         query: bytes = scope.get("query_string", b"")
         target = (scope.get("raw_path") or path.encode()) + (b"?" + query if query else b"")
         # The websockets client writes the handshake's own headers (key, version, extensions, protocols).
-        head = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client.forwarded
-                if not k.startswith(b"sec-websocket-")]  # fmt: skip
-        hello = _Handshake(target.decode("latin-1"), head, [Subprotocol(p) for p in scope.get("subprotocols", ())],
-                           client.request_id)  # fmt: skip
+        head = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in client.forwarded
+            if not k.startswith(b"sec-websocket-")
+        ]
+        hello = _Handshake(
+            target.decode("latin-1"), head, [Subprotocol(p) for p in scope.get("subprotocols", ())], client.request_id
+        )
         models = parse_qs(query.decode("latin-1")).get("model")
         try:
             self._keys.check(client.authorization)
@@ -81,17 +91,26 @@ class WebSocketProxy:
             await _deny(scope, send, denied)
             self._metrics.websocket_done(route, denied.outcome)
             return
+
         async def reconnect(model: str) -> Link:
             return await self.connect(model, hello)
 
-        session = Session(receive, send, link, connect=reconnect, release=self._release_link,
-                          request_id=client.request_id, routed=bool(models))  # fmt: skip
+        session = Session(
+            receive,
+            send,
+            link,
+            connect=reconnect,
+            release=self._release_link,
+            request_id=client.request_id,
+            routed=bool(models),
+        )
         headers = [(b"x-request-id", client.request_id.encode())]
         self._metrics.websocket_opened(route)
         outcome = "error"
         try:
-            outcome = await session.run({"type": "websocket.accept", "subprotocol": link.ws.subprotocol,
-                                         "headers": headers})  # fmt: skip
+            outcome = await session.run(
+                {"type": "websocket.accept", "subprotocol": link.ws.subprotocol, "headers": headers}
+            )
         finally:
             self._metrics.websocket_done(route, outcome, opened=True)
 
@@ -128,9 +147,17 @@ class WebSocketProxy:
             url = "ws" + state.node.url.removeprefix("http") + hello.target  # http -> ws, https -> wss
             self._pool.request_started(state)  # least-load sees open sessions
             try:
-                ws = await connect(url, additional_headers=hello.head, subprotocols=hello.subprotocols or None,
-                                   user_agent_header=None, proxy=None, compression=None, max_size=self._max_size,
-                                   open_timeout=self._connect_timeout, close_timeout=CLOSE_TIMEOUT)  # fmt: skip
+                ws = await connect(
+                    url,
+                    additional_headers=hello.head,
+                    subprotocols=hello.subprotocols or None,
+                    user_agent_header=None,
+                    proxy=None,
+                    compression=None,
+                    max_size=self._max_size,
+                    open_timeout=self._connect_timeout,
+                    close_timeout=CLOSE_TIMEOUT,
+                )
             except InvalidStatus as exc:
                 status = exc.response.status_code
                 self.release(state, role, f"http_{status}")
@@ -170,5 +197,3 @@ async def _deny(scope: Scope, send: Send, denied: Denied) -> None:
         await send({"type": "websocket.http.response.body", "body": body})
     else:
         await send({"type": "websocket.close", "code": denied.code, "reason": reason_text(denied.message)})
-
-

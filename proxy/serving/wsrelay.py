@@ -41,8 +41,12 @@ class Denied(Exception):
     def of(cls, exc: ProxyError | Denied, request_id: str) -> Denied:
         if isinstance(exc, Denied):
             return exc
-        return cls(_OUTCOMES.get(exc.status, "upstream_failed"), _CLOSE_CODES.get(exc.status, 1011), exc.message,
-                   render(exc, request_id))  # fmt: skip
+        return cls(
+            _OUTCOMES.get(exc.status, "upstream_failed"),
+            _CLOSE_CODES.get(exc.status, 1011),
+            exc.message,
+            render(exc, request_id),
+        )
 
 
 @dataclass(eq=False)
@@ -95,8 +99,17 @@ def _is_session_created(message: str | bytes) -> bool:
 class Session:
     """One accepted connection: two pumps, and whichever side ends first closes the other."""
 
-    def __init__(self, receive: Receive, send: Send, link: Link, *, connect: Callable[[str], Awaitable[Link]],
-                 release: Callable[[Link, str], None], request_id: str, routed: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        receive: Receive,
+        send: Send,
+        link: Link,
+        *,
+        connect: Callable[[str], Awaitable[Link]],
+        release: Callable[[Link, str], None],
+        request_id: str,
+        routed: bool,
+    ) -> None:
         """``connect(model)`` opens a link to a node serving ``model`` (raising ``ProxyError`` or ``Denied``);
         ``release(link, outcome)`` gives a node back; ``routed``: the model was in the query, nothing moves."""
         self._receive, self._send = receive, send

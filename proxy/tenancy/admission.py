@@ -31,8 +31,9 @@ class Ticket:
 
     __slots__ = ("_tenancy", "_grant", "_model", "_tenant", "_prompt_estimate", "_done")
 
-    def __init__(self, tenancy: Tenancy, grant: Grant | None, model: str | None, tenant: str,
-                 prompt_estimate: int) -> None:  # fmt: skip
+    def __init__(
+        self, tenancy: Tenancy, grant: Grant | None, model: str | None, tenant: str, prompt_estimate: int
+    ) -> None:
         self._tenancy = tenancy
         self._grant = grant
         self._model = model
@@ -52,8 +53,9 @@ class Ticket:
 
         return with_headers
 
-    def finish(self, status: int, prompt: int | None = None, completion: int | None = None,
-               tally: Relayed | None = None) -> None:  # fmt: skip
+    def finish(
+        self, status: int, prompt: int | None = None, completion: int | None = None, tally: Relayed | None = None
+    ) -> None:
         """The request ended with ``status``; ``prompt``/``completion``: its answer's ``usage`` where it had one,
         ``tally``: what the relay saw of it."""
         if self._done:
@@ -80,8 +82,7 @@ class Ticket:
 class Tenancy:
     """Limits per tenant (shared with the other replicas) and the fair queue; built once in the app."""
 
-    def __init__(self, keys: KeySet, replicas: ReplicaCount, queue: FairQueue | None,
-                 metrics: TenantMetrics) -> None:  # fmt: skip
+    def __init__(self, keys: KeySet, replicas: ReplicaCount, queue: FairQueue | None, metrics: TenantMetrics) -> None:
         self.keys = keys
         self.replicas = replicas
         self.queue = queue
@@ -105,8 +106,15 @@ class Tenancy:
             counters = self._counters[tenant] = TenantCounters()
         return counters
 
-    async def admit(self, limits: Limits | None, model: str | None, body: dict[str, Any] | None, raw_length: int,
-                    receive: Receive, send: Send) -> tuple[Ticket, Send]:  # fmt: skip
+    async def admit(
+        self,
+        limits: Limits | None,
+        model: str | None,
+        body: dict[str, Any] | None,
+        raw_length: int,
+        receive: Receive,
+        send: Send,
+    ) -> tuple[Ticket, Send]:
         """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while queued);
         returns its ticket, and ``send`` with the ``x-ratelimit-*`` headers added when the key has limits."""
         metrics = self.metrics

@@ -80,8 +80,9 @@ class Grant:
 
     __slots__ = ("counters", "limits", "replicas", "reserved", "headers")
 
-    def __init__(self, counters: TenantCounters, limits: Limits, replicas: int, reserved: int,
-                 headers: list[tuple[bytes, bytes]]) -> None:  # fmt: skip
+    def __init__(
+        self, counters: TenantCounters, limits: Limits, replicas: int, reserved: int, headers: list[tuple[bytes, bytes]]
+    ) -> None:
         self.counters = counters
         self.limits = limits
         self.replicas = replicas
@@ -106,15 +107,16 @@ def admit(counters: TenantCounters, limits: Limits, replicas: int, estimate: int
             raise RateLimited(
                 f"Concurrency limit reached for tenant {name}: Limit {limits.concurrency} requests in flight "
                 f"({share} on this replica of {replicas}). Please try again in {CONCURRENCY_RETRY}s.",
-                kind="concurrency", headers={"Retry-After": str(CONCURRENCY_RETRY), **_headers(counters, limits,
-                                                                                        replicas, now)},
-            )  # fmt: skip
+                kind="concurrency",
+                headers={"Retry-After": str(CONCURRENCY_RETRY), **_headers(counters, limits, replicas, now)},
+            )
     if limits.rpm:
         capacity = limits.rpm / replicas
         if counters.requests.refill(capacity, now) < 1:
             wait = Bucket.wait(capacity, 1 - counters.requests.level)
-            raise _over(f"requests per min (RPM): Limit {limits.rpm}", "requests", wait, counters, limits, replicas,
-                        now)  # fmt: skip
+            raise _over(
+                f"requests per min (RPM): Limit {limits.rpm}", "requests", wait, counters, limits, replicas, now
+            )
     if limits.tpm:
         capacity = limits.tpm / replicas
         if counters.tokens.refill(capacity, now) <= 0:
@@ -128,17 +130,18 @@ def admit(counters: TenantCounters, limits: Limits, replicas: int, estimate: int
         counters.tokens.level -= estimate
     counters.running += 1
     headers = _headers(counters, limits, replicas, now) if limits.rpm or limits.tpm else {}
-    return Grant(counters, limits, replicas, reserved,
-                 [(k.encode(), v.encode()) for k, v in headers.items()])  # fmt: skip
+    return Grant(counters, limits, replicas, reserved, [(k.encode(), v.encode()) for k, v in headers.items()])
 
 
-def _over(what: str, kind: str, wait: float, counters: TenantCounters, limits: Limits, replicas: int,
-          now: float) -> RateLimited:  # fmt: skip
+def _over(
+    what: str, kind: str, wait: float, counters: TenantCounters, limits: Limits, replicas: int, now: float
+) -> RateLimited:
     retry = max(1, math.ceil(wait))
     return RateLimited(
         f"Rate limit reached for tenant {limits.tenant} on {what}. Please try again in {duration(wait)}.",
-        kind=kind, headers={"Retry-After": str(retry), **_headers(counters, limits, replicas, now)},
-    )  # fmt: skip
+        kind=kind,
+        headers={"Retry-After": str(retry), **_headers(counters, limits, replicas, now)},
+    )
 
 
 def _headers(counters: TenantCounters, limits: Limits, replicas: int, now: float) -> dict[str, str]:

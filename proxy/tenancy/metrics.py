@@ -18,35 +18,54 @@ class TenantMetrics:
             "vllm_proxy_tenant_requests", "Requests admitted, by tenant.", ["tenant"], registry=registry
         )
         self.tokens = Counter(
-            "vllm_proxy_tenant_tokens", "Prompt + completion tokens charged to a tenant (from the nodes' usage; "
-            "streams without it: their events and the prompt's estimate).", ["tenant"], registry=registry,
-        )  # fmt: skip
-        self.rejections = Counter(
-            "vllm_proxy_tenant_rejections", "Requests refused, by tenant and the limit hit: rpm, tpm, concurrency "
-            "(429), queue_timeout (503).", ["tenant", "limit"], registry=registry,
-        )  # fmt: skip
-        self.queue_left = Counter(
-            "vllm_proxy_tenant_queue_abandoned", "Queued requests whose client went away before their turn.",
-            ["tenant"], registry=registry,
-        )  # fmt: skip
-        self.queue_wait = Histogram(
-            "vllm_proxy_tenant_queue_wait_seconds", "Time requests waited in the replica's queue for a full model, "
-            "by tenant (only requests that were queued).", ["tenant"], buckets=_WAIT_BUCKETS, registry=registry,
-        )  # fmt: skip
-        self.queue_depth = Gauge(
-            "vllm_proxy_queue_depth", "Requests waiting in this replica for a node of the model.", ["model"],
-            registry=registry, multiprocess_mode="livesum",
-        )  # fmt: skip
-        self.invalid_keys = Counter(
-            "vllm_proxy_invalid_keys", "Client key lines (file) or values (etcd) ignored as invalid.", ["source"],
+            "vllm_proxy_tenant_tokens",
+            "Prompt + completion tokens charged to a tenant (from the nodes' usage; "
+            "streams without it: their events and the prompt's estimate).",
+            ["tenant"],
             registry=registry,
-        )  # fmt: skip
+        )
+        self.rejections = Counter(
+            "vllm_proxy_tenant_rejections",
+            "Requests refused, by tenant and the limit hit: rpm, tpm, concurrency (429), queue_timeout (503).",
+            ["tenant", "limit"],
+            registry=registry,
+        )
+        self.queue_left = Counter(
+            "vllm_proxy_tenant_queue_abandoned",
+            "Queued requests whose client went away before their turn.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "vllm_proxy_tenant_queue_wait_seconds",
+            "Time requests waited in the replica's queue for a full model, by tenant (only requests that were queued).",
+            ["tenant"],
+            buckets=_WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "vllm_proxy_queue_depth",
+            "Requests waiting in this replica for a node of the model.",
+            ["model"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.invalid_keys = Counter(
+            "vllm_proxy_invalid_keys",
+            "Client key lines (file) or values (etcd) ignored as invalid.",
+            ["source"],
+            registry=registry,
+        )
         self.reloads = Counter(
-            "vllm_proxy_key_file_reloads", "--api-key-file reloads on SIGHUP, by outcome (ok, failed).",
-            ["outcome"], registry=registry,
-        )  # fmt: skip
+            "vllm_proxy_key_file_reloads",
+            "--api-key-file reloads on SIGHUP, by outcome (ok, failed).",
+            ["outcome"],
+            registry=registry,
+        )
         self.replicas = Gauge(
-            "vllm_proxy_limit_replicas", "Replicas the tenants' limits are shared among (from etcd; 1 without).",
-            registry=registry, multiprocess_mode="liveall",
-        )  # fmt: skip
+            "vllm_proxy_limit_replicas",
+            "Replicas the tenants' limits are shared among (from etcd; 1 without).",
+            registry=registry,
+            multiprocess_mode="liveall",
+        )
         self.child = LabelChildren()

@@ -85,8 +85,9 @@ class _ModelQueue:
 class FairQueue:
     """The queues of one replica, by model. ``enter`` is called once per request; ``leave`` when it ends."""
 
-    def __init__(self, pool: Pool, settings: QueueSettings, share: Callable[[str], int],
-                 on_depth: Callable[[str, int], None]) -> None:  # fmt: skip
+    def __init__(
+        self, pool: Pool, settings: QueueSettings, share: Callable[[str], int], on_depth: Callable[[str, int], None]
+    ) -> None:
         self._pool = pool
         self._settings = settings
         self._share = share

@@ -38,8 +38,14 @@ class TenancyParts:
     """Background work for the lifespan: the replica's lease, SIGHUP reloads."""
 
 
-def build_tenancy(settings: ProxySettings, keys: KeySet, registry: CollectorRegistry, pool: Pool,
-                  etcd: EtcdClient | None, layout: KeyLayout) -> TenancyParts:  # fmt: skip
+def build_tenancy(
+    settings: ProxySettings,
+    keys: KeySet,
+    registry: CollectorRegistry,
+    pool: Pool,
+    etcd: EtcdClient | None,
+    layout: KeyLayout,
+) -> TenancyParts:
     """Raises ``ValueError`` when ``--api-key-file`` cannot be read."""
     metrics = TenantMetrics(registry)
 
@@ -55,8 +61,12 @@ def build_tenancy(settings: ProxySettings, keys: KeySet, registry: CollectorRegi
     queue = None
     if settings.queue_timeout > 0:
         recheck = 1.0  # scrapes and request ends wake the queue; this only catches what has no event
-        queue_settings = QueueSettings(timeout=settings.queue_timeout, max_connections=settings.max_connections,
-                                       when_waiting=settings.queue_when_waiting, recheck=recheck)  # fmt: skip
+        queue_settings = QueueSettings(
+            timeout=settings.queue_timeout,
+            max_connections=settings.max_connections,
+            when_waiting=settings.queue_when_waiting,
+            recheck=recheck,
+        )
 
         def share(tenant: str) -> int:
             limits = keys.tenants().get(tenant)

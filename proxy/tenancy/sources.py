@@ -22,8 +22,7 @@ class KeyFile:
 
     def _read(self) -> dict[bytes, Limits]:
         def invalid(number: int, reason: str) -> None:
-            log.warning("ignoring invalid line of --api-key-file path=%s line=%d reason=%s", self.path, number,
-                        reason)  # fmt: skip
+            log.warning("ignoring invalid line of --api-key-file path=%s line=%d reason=%s", self.path, number, reason)
             self._on_invalid("file")
 
         return read_key_file(self.path, invalid)
@@ -39,8 +38,11 @@ class KeyFile:
         try:
             entries = self._read()
         except (OSError, UnicodeDecodeError) as exc:
-            log.warning("--api-key-file not reloaded path=%s error=%s; keeping the keys loaded before", self.path,
-                        getattr(exc, "strerror", None) or exc)  # fmt: skip
+            log.warning(
+                "--api-key-file not reloaded path=%s error=%s; keeping the keys loaded before",
+                self.path,
+                getattr(exc, "strerror", None) or exc,
+            )
             return False
         self._keys.set_file(entries)
         log.info("--api-key-file reloaded path=%s keys=%d", self.path, len(entries))

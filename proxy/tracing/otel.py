@@ -80,15 +80,21 @@ class OtelRequest:
     def leg(self, *, role: str, node_id: str, url: str, model: str, attempt: int) -> OtelLeg:
         host, _, port = url.split("://", 1)[-1].rpartition(":")
         attributes: dict[str, str | int] = {
-            "gen_ai.system": SYSTEM, "gen_ai.operation.name": role, "gen_ai.request.model": model,
-            "gen_ai.request.id": self._request_id, "server.address": host.strip("[]"),
-            "vllm_proxy.node": node_id, "vllm_proxy.role": role, "vllm_proxy.attempt": attempt,
+            "gen_ai.system": SYSTEM,
+            "gen_ai.operation.name": role,
+            "gen_ai.request.model": model,
+            "gen_ai.request.id": self._request_id,
+            "server.address": host.strip("[]"),
+            "vllm_proxy.node": node_id,
+            "vllm_proxy.role": role,
+            "vllm_proxy.attempt": attempt,
             "vllm_proxy.resume": self._resumes,
-        }  # fmt: skip
+        }
         if port.isdigit():
             attributes["server.port"] = int(port)
-        span = self._tracer.tracer.start_span(f"{role} {model}".rstrip(), set_span_in_context(self._span),
-                                              kind=SpanKind.CLIENT, attributes=attributes)  # fmt: skip
+        span = self._tracer.tracer.start_span(
+            f"{role} {model}".rstrip(), set_span_in_context(self._span), kind=SpanKind.CLIENT, attributes=attributes
+        )
         return OtelLeg(span, self)
 
     def resumed(self) -> None:
@@ -125,13 +131,19 @@ class OtelTracer:
     def start(self) -> None:
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=self.endpoint)))
 
-    def request(self, *, method: str, route: str, request_id: str, started: float,
-                parent: Mapping[str, str]) -> OtelRequest:  # fmt: skip
+    def request(
+        self, *, method: str, route: str, request_id: str, started: float, parent: Mapping[str, str]
+    ) -> OtelRequest:
         context = _PROPAGATOR.extract(parent) if parent else None
-        attributes = {"http.request.method": method, "http.route": route, "gen_ai.system": SYSTEM,
-                      "gen_ai.request.id": request_id}  # fmt: skip
-        span = self.tracer.start_span(f"{method} {route}", context, kind=SpanKind.SERVER, attributes=attributes,
-                                      start_time=_ns_since(started))  # fmt: skip
+        attributes = {
+            "http.request.method": method,
+            "http.route": route,
+            "gen_ai.system": SYSTEM,
+            "gen_ai.request.id": request_id,
+        }
+        span = self.tracer.start_span(
+            f"{method} {route}", context, kind=SpanKind.SERVER, attributes=attributes, start_time=_ns_since(started)
+        )
         return OtelRequest(self, span, started, request_id)
 
     def shutdown(self) -> None:

@@ -53,8 +53,9 @@ class RequestTrace(Protocol):
 
 
 class Tracer(Protocol):
-    def request(self, *, method: str, route: str, request_id: str, started: float,
-                parent: Mapping[str, str]) -> RequestTrace:  # fmt: skip
+    def request(
+        self, *, method: str, route: str, request_id: str, started: float, parent: Mapping[str, str]
+    ) -> RequestTrace:
         """The span of a client request that arrived at ``started`` (``time.monotonic()``), a child of the
         client's trace when ``parent`` holds its ``traceparent``."""
         ...
@@ -90,8 +91,7 @@ def make_tracer(endpoint: str | None, service_name: str = "vllm-proxy") -> Trace
         from vllm_etcd_proxy.proxy.tracing.otel import OtelTracer
     except ImportError as exc:
         raise TracingUnavailable(
-            f"--otlp-traces-endpoint needs OpenTelemetry ({exc.name} is missing): "
-            "pip install 'vllm-etcd-proxy[otel]'"
+            f"--otlp-traces-endpoint needs OpenTelemetry ({exc.name} is missing): pip install 'vllm-etcd-proxy[otel]'"
         ) from None
     return OtelTracer(endpoint, service_name)
 

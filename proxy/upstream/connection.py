@@ -21,8 +21,22 @@ PAUSE_BYTES = 1 << 20
 class Response:
     """A response being read from one connection; filled in by the connection's parser callbacks."""
 
-    __slots__ = ("status", "headers", "_conn", "_loop", "_parts", "_buffered", "_waiter", "_error", "complete",
-                 "head_done", "last_read", "_timer", "_idle", "bytes_seen")  # fmt: skip
+    __slots__ = (
+        "status",
+        "headers",
+        "_conn",
+        "_loop",
+        "_parts",
+        "_buffered",
+        "_waiter",
+        "_error",
+        "complete",
+        "head_done",
+        "last_read",
+        "_timer",
+        "_idle",
+        "bytes_seen",
+    )
 
     def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
         self.status = 0

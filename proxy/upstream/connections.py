@@ -23,8 +23,14 @@ KEEPALIVE_SECONDS = 4.0
 class NodeConnections:
     """The connections to one node: idle ones on a stack, a cap on how many are open."""
 
-    def __init__(self, origin: Origin, loop: asyncio.AbstractEventLoop, limit: int, connect_timeout: float,
-                 ssl_context: Callable[[], ssl.SSLContext]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        origin: Origin,
+        loop: asyncio.AbstractEventLoop,
+        limit: int,
+        connect_timeout: float,
+        ssl_context: Callable[[], ssl.SSLContext],
+    ) -> None:
         self.origin = origin
         self.name = f"{origin.host}:{origin.port}"
         self.loop = loop
@@ -69,8 +75,9 @@ class NodeConnections:
                         if conn is not None:
                             return conn
             except TimeoutError:
-                raise UpstreamTimeout(f"node {self.name}: all {self._limit} connections stayed busy for "
-                                      f"{wait:g} s") from None  # fmt: skip
+                raise UpstreamTimeout(
+                    f"node {self.name}: all {self._limit} connections stayed busy for {wait:g} s"
+                ) from None
         self._open += 1
         conn = Connection(self)
         origin = self.origin

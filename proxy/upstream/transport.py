@@ -110,20 +110,43 @@ class HttpTransport:
         pool = self._pools.get(origin)
         if pool is None:
             loop = asyncio.get_running_loop()
-            pool = self._pools[origin] = NodeConnections(origin, loop, self._limit, self._connect_timeout,
-                                                   self._ssl_context)  # fmt: skip
+            pool = self._pools[origin] = NodeConnections(
+                origin, loop, self._limit, self._connect_timeout, self._ssl_context
+            )
         return pool
 
     async def send(self, request: UpstreamRequest) -> UpstreamResponse:
         pool = self._pool(request.origin)
         origin = request.origin
         if request.body or request.method in _BODY_METHODS:
-            wire = b"".join((request.method, b" ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header,
-                             b"\r\ncontent-length: ", str(len(request.body)).encode(), b"\r\n", request.head,
-                             b"\r\n", request.body))  # fmt: skip
+            wire = b"".join(
+                (
+                    request.method,
+                    b" ",
+                    request.path,
+                    b" HTTP/1.1\r\nhost: ",
+                    origin.host_header,
+                    b"\r\ncontent-length: ",
+                    str(len(request.body)).encode(),
+                    b"\r\n",
+                    request.head,
+                    b"\r\n",
+                    request.body,
+                )
+            )
         else:
-            wire = b"".join((request.method, b" ", request.path, b" HTTP/1.1\r\nhost: ", origin.host_header, b"\r\n",
-                             request.head, b"\r\n"))  # fmt: skip
+            wire = b"".join(
+                (
+                    request.method,
+                    b" ",
+                    request.path,
+                    b" HTTP/1.1\r\nhost: ",
+                    origin.host_header,
+                    b"\r\n",
+                    request.head,
+                    b"\r\n",
+                )
+            )
         conn = pool.take_idle()
         if conn is not None:
             try:
@@ -134,8 +157,9 @@ class HttpTransport:
                     raise
         return await self._exchange(await pool.connect(request.timeout), pool, wire, request)
 
-    async def _exchange(self, conn: Connection, pool: NodeConnections, wire: bytes,
-                        request: UpstreamRequest) -> Response:  # fmt: skip
+    async def _exchange(
+        self, conn: Connection, pool: NodeConnections, wire: bytes, request: UpstreamRequest
+    ) -> Response:
         response = Response(conn, pool.loop)
         conn.response = response
         assert conn.transport is not None

@@ -32,9 +32,17 @@ TTL = 3
 SIM_KNOBS: dict[str, Any] = {"ttft": 0.02, "itl": 0.01}
 REGISTRAR_FLAGS = ("--drain-timeout", "10")
 PROXY_FLAGS = (
-    "--connect-timeout", "1", "--prefill-timeout", "10", "--first-byte-timeout", "10",
-    "--stream-idle-timeout", "10", "--shutdown-timeout", "20",
-)  # fmt: skip
+    "--connect-timeout",
+    "1",
+    "--prefill-timeout",
+    "10",
+    "--first-byte-timeout",
+    "10",
+    "--stream-idle-timeout",
+    "10",
+    "--shutdown-timeout",
+    "20",
+)
 """Timeouts far above what the simulated nodes need, far below the defaults (a hang shows up in seconds)."""
 
 Pair = tuple[str, str]
@@ -51,15 +59,21 @@ class Etcd:
     def etcdctl(self, *args: str) -> str:
         done = subprocess.run(
             ["etcdctl", f"--endpoints={self.endpoint}", "--command-timeout=5s", *args],
-            capture_output=True, text=True, timeout=20, env={**os.environ, "ETCDCTL_API": "3"},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=20,
+            env={**os.environ, "ETCDCTL_API": "3"},
+        )
         if done.returncode != 0:
             raise RuntimeError(f"etcdctl {' '.join(args)} failed: {done.stderr.strip()}")
         return done.stdout
 
     def revision(self) -> int:
-        return int(json.loads(self.etcdctl("get", "/", "--prefix", "--keys-only", "--limit=1", "-w", "json"))
-                   ["header"]["revision"])  # fmt: skip
+        return int(
+            json.loads(self.etcdctl("get", "/", "--prefix", "--keys-only", "--limit=1", "-w", "json"))["header"][
+                "revision"
+            ]
+        )
 
 
 @dataclass(eq=False)
@@ -96,11 +110,22 @@ class Fleet:
 
     # -- starting ------------------------------------------------------------------------------------------
 
-    def start(self, *, prefill: int = 2, decode: int = 2, mixed: int = 2, replicas: int = 2,
-              proxy_flags: Sequence[str] = (), replica_etcd: Sequence[str] | None = None) -> Fleet:  # fmt: skip
+    def start(
+        self,
+        *,
+        prefill: int = 2,
+        decode: int = 2,
+        mixed: int = 2,
+        replicas: int = 2,
+        proxy_flags: Sequence[str] = (),
+        replica_etcd: Sequence[str] | None = None,
+    ) -> Fleet:
         """Nodes, registrars and replicas all at once; returns when every replica routes to every node."""
-        nodes = [self.node(role) for role, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed))
-                 for _ in range(count)]  # fmt: skip
+        nodes = [
+            self.node(role)
+            for role, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed))
+            for _ in range(count)
+        ]
         with ThreadPoolExecutor(max_workers=len(nodes) + replicas) as pool:
             started = [pool.submit(self.launch, [node]) for node in nodes]
             self.start_replicas(replicas, proxy_flags, replica_etcd, executor=pool)
@@ -113,8 +138,14 @@ class Fleet:
         """A new node of ``role`` (not started): decode/prefill serve MODEL, mixed nodes serve MIXED_MODEL."""
         self._counts[role] = self._counts.get(role, 0) + 1
         model = MIXED_MODEL if role == "mixed" else MODEL
-        sim = SimNode(self.logs_dir, f"{role}-{self._counts[role]}", port=free_port(), role=role, model=model,
-                      **{**SIM_KNOBS, **(knobs or {})})  # fmt: skip
+        sim = SimNode(
+            self.logs_dir,
+            f"{role}-{self._counts[role]}",
+            port=free_port(),
+            role=role,
+            model=model,
+            **{**SIM_KNOBS, **(knobs or {})},
+        )
         node = FleetNode(role=role, sim=sim)
         self.nodes.append(node)
         return node
@@ -130,12 +161,24 @@ class Fleet:
                 future.result()
 
     def register(self, node: FleetNode) -> Registrar:
-        node.registrar = Registrar(self.etcd, node.sim.url, self.logs_dir, *REGISTRAR_FLAGS,  # type: ignore[arg-type]
-                                   role=node.role, ttl=self.ttl, name=f"reg-{node.name}")  # fmt: skip
+        node.registrar = Registrar(
+            self.etcd,
+            node.sim.url,
+            self.logs_dir,
+            *REGISTRAR_FLAGS,  # type: ignore[arg-type]
+            role=node.role,
+            ttl=self.ttl,
+            name=f"reg-{node.name}",
+        )
         return node.registrar
 
-    def start_replicas(self, count: int, flags: Sequence[str] = (), etcd: Sequence[str] | None = None,
-                       executor: ThreadPoolExecutor | None = None) -> list[ProxyProc]:  # fmt: skip
+    def start_replicas(
+        self,
+        count: int,
+        flags: Sequence[str] = (),
+        etcd: Sequence[str] | None = None,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> list[ProxyProc]:
         """``count`` replicas; ``etcd[i]`` overrides replica i's --etcd (e.g. a relay you can cut)."""
         first = len(self.replicas)
 
@@ -186,14 +229,18 @@ class Fleet:
     @staticmethod
     def pool(replica: ProxyProc, *, routable: bool = False) -> set[Pair]:
         """(role, id) of every node ``replica`` knows (``routable``: only those it would route to)."""
-        return {(w["role"], w["id"]) for w in replica.workers()
-                if not routable or (w["models_known"] and not w["ejected"] and w["status"] == "serving")}  # fmt: skip
+        return {
+            (w["role"], w["id"])
+            for w in replica.workers()
+            if not routable or (w["models_known"] and not w["ejected"] and w["status"] == "serving")
+        }
 
     def pools(self, *, routable: bool = False) -> dict[str, set[Pair]]:
         return {r.proc.name: self.pool(r, routable=routable) for r in self.replicas}
 
-    def wait_converged(self, expected: set[Pair] | None = None, timeout: float = 20.0,
-                       replicas: Sequence[ProxyProc] | None = None) -> None:  # fmt: skip
+    def wait_converged(
+        self, expected: set[Pair] | None = None, timeout: float = 20.0, replicas: Sequence[ProxyProc] | None = None
+    ) -> None:
         """Until every replica's pool is ``expected`` (default: the fleet's registered nodes), all routable."""
         if expected is None:
             expected = {n.pair for n in self.nodes if n.registrar is not None and n.registrar.alive()}
@@ -206,8 +253,10 @@ class Fleet:
             wait_until(done, timeout, "every replica's pool to match")
         except TimeoutError as exc:
             pools = {r.proc.name: sorted(self.pool(r)) for r in targets}
-            raise AssertionError(f"{exc}: expected {sorted(expected)}, pools {pools}, etcd "
-                                 f"{sorted(self.registered())} (logs in {self.logs_dir})") from None  # fmt: skip
+            raise AssertionError(
+                f"{exc}: expected {sorted(expected)}, pools {pools}, etcd "
+                f"{sorted(self.registered())} (logs in {self.logs_dir})"
+            ) from None
 
     def by_id(self, node_id: str | None) -> FleetNode:
         return next(n for n in self.nodes if n.node_id == node_id)
@@ -252,8 +301,11 @@ class Resume:
 
 
 def resumes_logged(replicas: Iterable[ProxyProc]) -> list[Resume]:
-    return [Resume(replica=r.proc.name, request_id=m[1], source=m[2], target=m[3], reason=m[4])
-            for r in replicas for m in _RESUMED.finditer(r.proc.log())]  # fmt: skip
+    return [
+        Resume(replica=r.proc.name, request_id=m[1], source=m[2], target=m[3], reason=m[4])
+        for r in replicas
+        for m in _RESUMED.finditer(r.proc.log())
+    ]
 
 
 def broken_logged(replicas: Iterable[ProxyProc]) -> set[str]:

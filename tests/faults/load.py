@@ -132,8 +132,10 @@ class Outcome:
         return self.ended - self.started
 
     def __str__(self) -> str:
-        return (f"{self.request_id} {self.kind} via {self.replica} node={self.node} {self.result}"
-                f"({self.status}) t={self.started:.3f}+{self.duration:.3f}s {self.detail}")  # fmt: skip
+        return (
+            f"{self.request_id} {self.kind} via {self.replica} node={self.node} {self.result}"
+            f"({self.status}) t={self.started:.3f}+{self.duration:.3f}s {self.detail}"
+        )
 
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, int]:
@@ -165,8 +167,7 @@ def describe(outcomes: Sequence[Outcome], limit: int = 10) -> str:
 
 
 def _body(kind: Kind, seq: str, max_tokens: int, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": kind.model, "max_tokens": max_tokens, "stream": kind.stream,
-                            "ignore_eos": True}  # fmt: skip
+    body: dict[str, Any] = {"model": kind.model, "max_tokens": max_tokens, "stream": kind.stream, "ignore_eos": True}
     if kind.stream:
         body["stream_options"] = {"include_usage": True}  # the final usage must count the whole answer
     if kind.path.endswith("chat/completions"):
@@ -259,13 +260,22 @@ class Load:
     def wait_for(self, count: int, timeout: float = 20.0, *, after: float | None = None) -> None:
         """Until ``count`` more requests (that started after monotonic time ``after``, default now) finished."""
         since = time.monotonic() if after is None else after
-        wait_until(lambda: sum(1 for o in self.outcomes() if o.started >= since) >= count, timeout,
-                   f"{count} requests of the load to finish")  # fmt: skip
+        wait_until(
+            lambda: sum(1 for o in self.outcomes() if o.started >= since) >= count,
+            timeout,
+            f"{count} requests of the load to finish",
+        )
 
     def spawn(
-        self, replica: str, kind: Kind, *, max_tokens: int, request_id: str, disconnect_after: int | None = None,
+        self,
+        replica: str,
+        kind: Kind,
+        *,
+        max_tokens: int,
+        request_id: str,
+        disconnect_after: int | None = None,
         extra: Mapping[str, Any] | None = None,
-    ) -> concurrent.futures.Future[Outcome]:  # fmt: skip
+    ) -> concurrent.futures.Future[Outcome]:
         """One extra request on the load's loop (recorded with the others); ``disconnect_after=N`` closes the
         connection after N content chunks, as a client that goes away mid-stream; ``extra`` adds body fields."""
         assert self._loop is not None, "start() first"
@@ -313,9 +323,15 @@ class Load:
             await asyncio.sleep(self.pause)
 
     async def _request(
-        self, replica: str, kind: Kind, body: dict[str, Any], request_id: str, disconnect_after: int | None,
-        *, redirect: bool,
-    ) -> Outcome:  # fmt: skip
+        self,
+        replica: str,
+        kind: Kind,
+        body: dict[str, Any],
+        request_id: str,
+        disconnect_after: int | None,
+        *,
+        redirect: bool,
+    ) -> Outcome:
         started, wall_started = time.monotonic(), time.time()
         tried = [replica]
         assert self._client is not None
@@ -336,13 +352,26 @@ class Load:
                 fields = {"result": TRANSPORT_ERROR, "detail": f"{type(exc).__name__}: {exc}"}
                 break
         outcome = Outcome(
-            request_id=request_id, replica=replica, kind=kind.name, stream=kind.stream, started=started,
-            ended=fields.get("left_at", time.monotonic()), wall_started=wall_started, wall_ended=time.time(),
-            status=fields.get("status"), node=fields.get("node"), tokens=fields.get("tokens", 0),
-            result=fields["result"], detail=fields.get("detail", ""), redirected=len(tried) > 1, path=kind.path,
-            body=body, answer=fields.get("answer"), dones=fields.get("dones", 0),
+            request_id=request_id,
+            replica=replica,
+            kind=kind.name,
+            stream=kind.stream,
+            started=started,
+            ended=fields.get("left_at", time.monotonic()),
+            wall_started=wall_started,
+            wall_ended=time.time(),
+            status=fields.get("status"),
+            node=fields.get("node"),
+            tokens=fields.get("tokens", 0),
+            result=fields["result"],
+            detail=fields.get("detail", ""),
+            redirected=len(tried) > 1,
+            path=kind.path,
+            body=body,
+            answer=fields.get("answer"),
+            dones=fields.get("dones", 0),
             error_events=fields.get("error_events", 0),
-        )  # fmt: skip
+        )
         with self._lock:
             self._outcomes.append(outcome)
         return outcome
@@ -375,8 +404,9 @@ def _full_answer(raw: bytes) -> dict[str, Any]:
         return {"result": BAD_RESPONSE, "detail": f"{exc!r}: {raw[:200]!r}"}
     if not choices:
         return {"result": BAD_RESPONSE, "detail": f"no choices: {raw[:200]!r}"}
-    answer = Answer(text=text or "", finish_reason=choice.get("finish_reason"),
-                    usage=(int(usage["prompt_tokens"]), tokens))  # fmt: skip
+    answer = Answer(
+        text=text or "", finish_reason=choice.get("finish_reason"), usage=(int(usage["prompt_tokens"]), tokens)
+    )
     return {"result": OK, "tokens": tokens, "answer": answer}
 
 
@@ -451,8 +481,12 @@ async def _stream_answer(response: httpx.Response, disconnect_after: int | None)
         if bad is not None:
             return {"result": BAD_RESPONSE, "tokens": reader.tokens, "detail": bad}
         if disconnect_after is not None and reader.tokens >= disconnect_after:
-            return {"result": DISCONNECTED, "tokens": reader.tokens, "left_at": time.monotonic(),
-                    "detail": "left mid-stream"}  # fmt: skip
+            return {
+                "result": DISCONNECTED,
+                "tokens": reader.tokens,
+                "left_at": time.monotonic(),
+                "detail": "left mid-stream",
+            }
     return reader.fields()
 
 
@@ -464,8 +498,9 @@ def expected_answers(requests: Iterable[tuple[str, Outcome]], timeout: float = 6
     async def ask_all() -> list[dict[str, Any]]:
         limits = httpx.Limits(max_connections=len(pairs) + 1)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-            return await asyncio.gather(*(_exchange(client, url + o.path, o.body, f"oracle-{o.request_id}", None)
-                                          for url, o in pairs))  # fmt: skip
+            return await asyncio.gather(
+                *(_exchange(client, url + o.path, o.body, f"oracle-{o.request_id}", None) for url, o in pairs)
+            )
 
     answers: dict[str, Answer] = {}
     for (url, outcome), fields in zip(pairs, asyncio.run(ask_all()), strict=True):

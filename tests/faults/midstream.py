@@ -48,10 +48,17 @@ class Snapshot:
     @classmethod
     def of(cls, node: FleetNode, *, min_tokens: int = 0, among: Iterable[str] | None = None) -> Snapshot:
         wanted = None if among is None else set(among)
-        running = [r for r in node.sim.requests() if r["state"] == "running" and r["completion_tokens"] >= min_tokens
-                   and (wanted is None or r["request_id"] in wanted)]  # fmt: skip
-        return cls(streams=frozenset(r["request_id"] for r in running if r["stream"]),
-                   full=frozenset(r["request_id"] for r in running if not r["stream"]))  # fmt: skip
+        running = [
+            r
+            for r in node.sim.requests()
+            if r["state"] == "running"
+            and r["completion_tokens"] >= min_tokens
+            and (wanted is None or r["request_id"] in wanted)
+        ]
+        return cls(
+            streams=frozenset(r["request_id"] for r in running if r["stream"]),
+            full=frozenset(r["request_id"] for r in running if not r["stream"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,19 @@ class Burst:
     futures: Mapping[str, Future[Outcome]]
 
     @classmethod
-    def spawn(cls, load: Load, replicas: Sequence[ProxyProc], model: str, *, tag: str = "burst",
-              streams: int = BURST_STREAMS, full: int = BURST_FULL, tokens: int = BURST_TOKENS,
-              full_tokens: int | None = None, extra: Mapping[str, Any] | None = None) -> Burst:  # fmt: skip
+    def spawn(
+        cls,
+        load: Load,
+        replicas: Sequence[ProxyProc],
+        model: str,
+        *,
+        tag: str = "burst",
+        streams: int = BURST_STREAMS,
+        full: int = BURST_FULL,
+        tokens: int = BURST_TOKENS,
+        full_tokens: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Burst:
         """``streams`` streamed and ``full`` non-streamed requests for ``model``, alternating chat and completions
         and the replicas; ids ``{tag}-r{replica}-{n}`` (streams) and ``{tag}-r{replica}-full{n}``."""
         futures: dict[str, Future[Outcome]] = {}
@@ -72,8 +89,13 @@ class Burst:
             kind = Kind(model=model, stream=stream, path=(CHAT, COMPLETIONS)[n % 2])
             index = (n // 2) % len(replicas)
             request_id = f"{tag}-r{index}-{n if stream else f'full{n}'}"
-            futures[request_id] = load.spawn(replicas[index].url, kind, request_id=request_id, extra=extra,
-                                             max_tokens=tokens if stream else full_tokens or tokens)  # fmt: skip
+            futures[request_id] = load.spawn(
+                replicas[index].url,
+                kind,
+                request_id=request_id,
+                extra=extra,
+                max_tokens=tokens if stream else full_tokens or tokens,
+            )
         return cls(futures)
 
     def on(self, node: FleetNode, min_tokens: int = GENERATING) -> Snapshot:
@@ -91,8 +113,11 @@ class Burst:
 
 def differing(outcomes: Iterable[Outcome], expected: Mapping[str, Answer]) -> list[str]:
     """One line per outcome whose answer is not the expected one (empty when all are)."""
-    return [f"{o.request_id} via {o.replica} node={o.node} {o.result}: {_difference(o.answer, expected[o.request_id])}"
-            for o in outcomes if o.answer != expected[o.request_id]]  # fmt: skip
+    return [
+        f"{o.request_id} via {o.replica} node={o.node} {o.result}: {_difference(o.answer, expected[o.request_id])}"
+        for o in outcomes
+        if o.answer != expected[o.request_id]
+    ]
 
 
 def _difference(got: Answer | None, want: Answer) -> str:
@@ -102,6 +127,8 @@ def _difference(got: Answer | None, want: Answer) -> str:
         words, wanted = got.text.split(), want.text.split()
         pairs = enumerate(zip(words, wanted, strict=False))
         at = next((i for i, (a, b) in pairs if a != b), min(len(words), len(wanted)))
-        return (f"{len(words)} words where a healthy node gives {len(wanted)}, differing from word {at}: "
-                f"got {words[at : at + 3]}, want {wanted[at : at + 3]}")  # fmt: skip
+        return (
+            f"{len(words)} words where a healthy node gives {len(wanted)}, differing from word {at}: "
+            f"got {words[at : at + 3]}, want {wanted[at : at + 3]}"
+        )
     return f"finish/usage {got.finish_reason}/{got.usage}, a healthy node gives {want.finish_reason}/{want.usage}"

@@ -32,16 +32,20 @@ def test_replica_sigterm_during_long_streams_lets_every_stream_complete(fleet: F
     generators = [n for n in fleet.nodes if n.role in ("decode", "mixed")]
 
     def generating(request_id: str) -> bool:
-        return any(r["request_id"] == request_id and r["state"] == "running" and r["completion_tokens"] >= 1
-                   for n in generators for r in n.sim.requests())  # fmt: skip
+        return any(
+            r["request_id"] == request_id and r["state"] == "running" and r["completion_tokens"] >= 1
+            for n in generators
+            for r in n.sim.requests()
+        )
 
     with Load([leaving.url, staying.url]) as load:
         load.wait_for(20)
         for node in generators:  # short record lists: quick polls
             node.sim.clear_requests()
         kinds = [DISAGG_STREAM, MIXED_STREAM] * 2
-        streams = [load.spawn(leaving.url, kind, max_tokens=LONG, request_id=f"long-{i}")
-                   for i, kind in enumerate(kinds)]  # fmt: skip
+        streams = [
+            load.spawn(leaving.url, kind, max_tokens=LONG, request_id=f"long-{i}") for i, kind in enumerate(kinds)
+        ]
         wait_until(lambda: all(generating(f"long-{i}") for i in range(len(kinds))), 10, "every long stream")
         # The operator drains the replica in the L4 balancer, then stops it.
         load.exclude(leaving.url)
@@ -54,9 +58,15 @@ def test_replica_sigterm_during_long_streams_lets_every_stream_complete(fleet: F
         exited = time.monotonic()
         load.wait_for(20, after=exited)
     outcomes = load.outcomes()
-    report(8, "replica SIGTERM during long streams", outcomes, long_streams=len(streams),
-           running_when_listener_closed=running_when_closed, exit_code=code,
-           exited_after_s=round(exited - signalled, 2))  # fmt: skip
+    report(
+        8,
+        "replica SIGTERM during long streams",
+        outcomes,
+        long_streams=len(streams),
+        running_when_listener_closed=running_when_closed,
+        exit_code=code,
+        exited_after_s=round(exited - signalled, 2),
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert running_when_closed == len(streams), "the streams ended before the replica stopped accepting"
@@ -86,8 +96,9 @@ def test_client_disconnecting_mid_stream_cancels_the_node_request_within_a_secon
             node.sim.clear_requests()
         spawned = {
             f"gone-r{i}-{kind.name.split('/')[0]}": (replica, kind)
-            for i, replica in enumerate(fleet.replicas) for kind in (DISAGG_STREAM, MIXED_STREAM)
-        }  # fmt: skip
+            for i, replica in enumerate(fleet.replicas)
+            for kind in (DISAGG_STREAM, MIXED_STREAM)
+        }
         # Clients and threads ready before anyone leaves: the measure starts the moment a client is gone.
         clients = {n.node_id: httpx.Client(base_url=n.sim.url, timeout=2) for n in fleet.nodes}
 
@@ -100,10 +111,11 @@ def test_client_disconnecting_mid_stream_cancels_the_node_request_within_a_secon
         try:
             with ThreadPoolExecutor(len(spawned)) as pool:
                 watchers = {
-                    rid: pool.submit(watch, load.spawn(replica.url, kind, max_tokens=LONG, request_id=rid,
-                                                       disconnect_after=3))
+                    rid: pool.submit(
+                        watch, load.spawn(replica.url, kind, max_tokens=LONG, request_id=rid, disconnect_after=3)
+                    )
                     for rid, (replica, kind) in spawned.items()
-                }  # fmt: skip
+                }
                 results = {rid: w.result() for rid, w in watchers.items()}
         finally:
             for client in clients.values():

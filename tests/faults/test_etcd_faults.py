@@ -18,8 +18,11 @@ from tests.support.proxy_proc import ProxyProc
 
 def _wait_connected(replica: ProxyProc, connected: bool, timeout: float) -> None:
     """Until the replica's /status says its etcd watch is (or is not) connected."""
-    wait_until(lambda: replica.status()["discovery"]["connected"] is connected, timeout,
-               f"{replica.proc.name} to report connected={connected}")  # fmt: skip
+    wait_until(
+        lambda: replica.status()["discovery"]["connected"] is connected,
+        timeout,
+        f"{replica.proc.name} to report connected={connected}",
+    )
 
 
 def test_etcd_down_longer_than_the_lease_ttl_loses_no_request_and_pools_match_etcd_after(
@@ -44,8 +47,14 @@ def test_etcd_down_longer_than_the_lease_ttl_loses_no_request_and_pools_match_et
         load.wait_for(20)
     outcomes = load.outcomes()
     during = [o for o in outcomes if down <= o.started < up]
-    report(5, "etcd down past the lease TTL", outcomes, during_outage=len(during),
-           outage_s=round(up - down, 1), ttl_s=fleet.ttl)  # fmt: skip
+    report(
+        5,
+        "etcd down past the lease TTL",
+        outcomes,
+        during_outage=len(during),
+        outage_s=round(up - down, 1),
+        ttl_s=fleet.ttl,
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert len(during) >= 20, "the load did not go on during the outage"
@@ -82,8 +91,14 @@ def test_replica_cut_off_from_etcd_across_a_compaction_relists_and_applies_the_d
         resyncs = cut_off.status()["discovery"]["resyncs"]
         load.wait_for(20)
     outcomes = load.outcomes()
-    report(6, "compaction past a cut-off replica's watch", outcomes, watch_revision=watched,
-           compacted_at=compacted, resyncs=resyncs)  # fmt: skip
+    report(
+        6,
+        "compaction past a cut-off replica's watch",
+        outcomes,
+        watch_revision=watched,
+        compacted_at=compacted,
+        resyncs=resyncs,
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert watched < compacted and resyncs >= 1, "the replica did not re-list after the compaction"
@@ -114,13 +129,21 @@ def test_etcd_cluster_losing_its_leader_loses_no_request_and_registrations_conti
         wait_until(lambda: fleet.registered(via=survivors) == everyone, 30, "the newcomer to register")
         fleet.wait_converged(everyone)
         # Nobody notices: no key is lost, on into the time the old leases would have expired.
-        holds(lambda: fleet.registered(via=survivors) == everyone,
-              max(0.0, killed + fleet.ttl + 1 - time.monotonic()), "every registration")  # fmt: skip
+        holds(
+            lambda: fleet.registered(via=survivors) == everyone,
+            max(0.0, killed + fleet.ttl + 1 - time.monotonic()),
+            "every registration",
+        )
         fleet.wait_converged(everyone)
         load.wait_for(20)
         wait_until(lambda: bool(newcomer.sim.requests()), 10, "traffic to the newcomer")
     outcomes = load.outcomes()
-    report(7, "etcd cluster loses its leader", outcomes, killed_member=cluster.members[leader].name,
-           started_after_kill=sum(1 for o in outcomes if o.started >= killed))  # fmt: skip
+    report(
+        7,
+        "etcd cluster loses its leader",
+        outcomes,
+        killed_member=cluster.members[leader].name,
+        started_after_kill=sum(1 for o in outcomes if o.started >= killed),
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"

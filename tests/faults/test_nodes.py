@@ -37,8 +37,10 @@ def test_scale_out_and_in_under_load_loses_nothing_and_new_nodes_get_traffic_wit
 ) -> None:
     fleet.start()
     replicas = range(len(fleet.replicas))
-    with EtcdWatch(fleet.etcd.endpoint, WATCH_PREFIX, logs_dir) as watch, \
-            Load([r.url for r in fleet.replicas], clients=10) as load:  # fmt: skip
+    with (
+        EtcdWatch(fleet.etcd.endpoint, WATCH_PREFIX, logs_dir) as watch,
+        Load([r.url for r in fleet.replicas], clients=10) as load,
+    ):
         # 10 clients: ~12 requests/s per model per replica, so "within a second" measures the proxy, not the load.
         watch.wait_ready(fleet.etcd.etcdctl)
         load.wait_for(20)
@@ -46,10 +48,16 @@ def test_scale_out_and_in_under_load_loses_nothing_and_new_nodes_get_traffic_wit
         joining = [fleet.node("decode"), fleet.node("mixed")]
         fleet.launch(joining)
         registered = {n.name: watch.wait_for("PUT", n.key, timeout=20).wall for n in joining}
-        wait_until(lambda: all(_first_request_via(n, i) is not None for n in joining for i in replicas), 10,
-                   "traffic to the new nodes through both replicas")  # fmt: skip
-        delays = {f"{n.name}@r{i}": round(_first_request_via(n, i) - registered[n.name], 3)  # type: ignore[operator]
-                  for n in joining for i in replicas}  # fmt: skip
+        wait_until(
+            lambda: all(_first_request_via(n, i) is not None for n in joining for i in replicas),
+            10,
+            "traffic to the new nodes through both replicas",
+        )
+        delays = {
+            f"{n.name}@r{i}": round(_first_request_via(n, i) - registered[n.name], 3)  # type: ignore[operator]
+            for n in joining
+            for i in replicas
+        }
 
         leaving = [fleet.nodes[2], fleet.nodes[4]]  # decode-1 and mixed-1
         assert [n.name for n in leaving] == ["decode-1", "mixed-1"]
@@ -119,8 +127,10 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
 ) -> None:
     fleet.start()
     model = MIXED_MODEL if role == "mixed" else MODEL
-    with EtcdWatch(fleet.etcd.endpoint, WATCH_PREFIX, logs_dir) as watch, \
-            Load([r.url for r in fleet.replicas], stream_max_tokens=LONG_STREAM) as load:  # fmt: skip
+    with (
+        EtcdWatch(fleet.etcd.endpoint, WATCH_PREFIX, logs_dir) as watch,
+        Load([r.url for r in fleet.replicas], stream_max_tokens=LONG_STREAM) as load,
+    ):
         watch.wait_ready(fleet.etcd.etcdctl)
         load.wait_for(20)
         burst = Burst.spawn(load, fleet.replicas, model)
@@ -143,10 +153,17 @@ def test_kill_9_of_a_node_mid_stream_resumes_its_streams_elsewhere_with_the_same
     must_resume, must_retry = at_kill.streams & set(burst.futures), at_kill.full & set(burst.futures)
     checked = resumed | at_kill.streams | at_kill.full | set(burst.futures)
     expected = expected_answers((witness.sim.url, by_id[i]) for i in checked)
-    report(3, f"kill -9 of a {role} node mid-stream", outcomes, streams_on_victim=len(at_kill.streams),
-           full_on_victim=len(at_kill.full), resumed=len(resumed),
-           compared_with_a_healthy_node=len(checked), started_after_kill=sum(o.started >= killed for o in outcomes),
-           lease_expired_after_s=round(deleted.wall - killed_wall, 2))  # fmt: skip
+    report(
+        3,
+        f"kill -9 of a {role} node mid-stream",
+        outcomes,
+        streams_on_victim=len(at_kill.streams),
+        full_on_victim=len(at_kill.full),
+        resumed=len(resumed),
+        compared_with_a_healthy_node=len(checked),
+        started_after_kill=sum(o.started >= killed for o in outcomes),
+        lease_expired_after_s=round(deleted.wall - killed_wall, 2),
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert len(at_kill.streams) >= AT_ONCE, f"only {len(at_kill.streams)} streams on the victim at the kill"
@@ -212,15 +229,24 @@ def test_node_hanging_mid_stream_has_its_streams_resumed_after_the_idle_timeout_
     must_resume, must_retry = at_hang.streams & set(burst.futures), at_hang.full & set(burst.futures)
     checked = resumed | at_hang.streams | at_hang.full | set(burst.futures)
     expected = expected_answers((witness.sim.url, by_id[i]) for i in checked)
-    report(10, "a decode node hangs mid-stream", outcomes, streams_on_victim=len(at_hang.streams),
-           full_on_victim=len(at_hang.full), resumed=len(resumed),
-           compared_with_a_healthy_node=len(checked))  # fmt: skip
+    report(
+        10,
+        "a decode node hangs mid-stream",
+        outcomes,
+        streams_on_victim=len(at_hang.streams),
+        full_on_victim=len(at_hang.full),
+        resumed=len(resumed),
+        compared_with_a_healthy_node=len(checked),
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert len(must_resume) >= AT_ONCE, f"only {len(must_resume)} of the burst's streams caught on the victim"
     assert must_resume <= resumed, f"streams not resumed (logs in {logs_dir}): {sorted(must_resume - resumed)}"
-    wrong_resumes = [r for r in resumes if r.source != victim.node_id or r.target in (victim.node_id, "")
-                     or "stream idle timeout" not in r.reason]  # fmt: skip
+    wrong_resumes = [
+        r
+        for r in resumes
+        if r.source != victim.node_id or r.target in (victim.node_id, "") or "stream idle timeout" not in r.reason
+    ]
     assert not wrong_resumes, f"resumes other than from the silent victim: {wrong_resumes}"
     assert resumes_counted(fleet.replicas, "resumed") == len(resumes) == len(resumed)
     assert resumes_counted(fleet.replicas, "failed") == resumes_counted(fleet.replicas, "exhausted") == 0
@@ -247,8 +273,11 @@ def test_kill_9_mid_stream_ends_streams_that_must_not_resume_with_the_error_even
         load.wait_for(20)
         guided = Burst.spawn(load, fleet.replicas, MODEL, tag="guided", streams=12, full=0, extra=GUIDED)
         plain = Burst.spawn(load, fleet.replicas, MODEL, tag="plain", streams=8, full=0)
-        wait_until(lambda: guided.busy(victim, streams=3, full=0) and plain.busy(victim, streams=2, full=0), 15,
-                   "guided and plain streams generating on the victim")  # fmt: skip
+        wait_until(
+            lambda: guided.busy(victim, streams=3, full=0) and plain.busy(victim, streams=2, full=0),
+            15,
+            "guided and plain streams generating on the victim",
+        )
         at_kill = Snapshot.of(victim)
         fleet.crash(victim)
         killed = time.monotonic()
@@ -261,17 +290,33 @@ def test_kill_9_mid_stream_ends_streams_that_must_not_resume_with_the_error_even
     resumes = resumes_logged(fleet.replicas)
     resumed = {r.request_id for r in resumes}
     expected = expected_answers((witness.sim.url, by_id[i]) for i in [*guided.futures, *plain.futures])
-    report(11, "kill -9 mid-stream of streams that must not resume", outcomes, guided_on_victim=len(cut),
-           plain_on_victim=len(at_kill.streams & set(plain.futures)), resumed=len(resumed))  # fmt: skip
+    report(
+        11,
+        "kill -9 mid-stream of streams that must not resume",
+        outcomes,
+        guided_on_victim=len(cut),
+        plain_on_victim=len(at_kill.streams & set(plain.futures)),
+        resumed=len(resumed),
+    )
     failed = [o for o in outcomes if not o.succeeded and o.request_id not in cut]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert len(cut) >= 3
     # As before resume existed: the tokens so far, one error event, one [DONE]; logged as a broken stream.
     ended = [by_id[i] for i in sorted(cut)]
-    wrong_end = [o for o in ended if not (o.result == SSE_ERROR and o.error_events == 1 and o.dones == 1
-                                          and o.node == victim.node_id and o.answer is not None and o.answer.text
-                                          and expected[o.request_id].text.startswith(o.answer.text)
-                                          and o.answer.text != expected[o.request_id].text)]  # fmt: skip
+    wrong_end = [
+        o
+        for o in ended
+        if not (
+            o.result == SSE_ERROR
+            and o.error_events == 1
+            and o.dones == 1
+            and o.node == victim.node_id
+            and o.answer is not None
+            and o.answer.text
+            and expected[o.request_id].text.startswith(o.answer.text)
+            and o.answer.text != expected[o.request_id].text
+        )
+    ]
     assert not wrong_end, f"guided streams on the victim did not end with the error event:\n{describe(wrong_end)}"
     assert cut <= broken_logged(fleet.replicas)
     assert not cut & resumed, f"streams that must not resume were resumed: {sorted(cut & resumed)}"
@@ -316,8 +361,14 @@ def test_node_that_accepts_but_never_answers_is_failed_over_within_the_timeout_a
     sent = hole.seen("POST")
     late = [s for s in sent if s.at > ejected + 0.5]
     failed_over = [by_id[s.request_id] for s in sent if s.request_id in by_id]
-    report(4, "node accepts connections, never answers", outcomes, sent_to_hung_node=len(sent),
-           failed_over=len(failed_over), max_failover_s=round(max(o.duration for o in failed_over), 2))  # fmt: skip
+    report(
+        4,
+        "node accepts connections, never answers",
+        outcomes,
+        sent_to_hung_node=len(sent),
+        failed_over=len(failed_over),
+        max_failover_s=round(max(o.duration for o in failed_over), 2),
+    )
     failed = [o for o in outcomes if not o.succeeded]
     assert not failed, f"{len(failed)} failed requests (logs in {logs_dir}):\n{describe(failed)}"
     assert {s.request_id.split("-")[1] for s in sent if s.request_id} == {"r0", "r1"}, "both replicas tried it"

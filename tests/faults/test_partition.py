@@ -65,9 +65,11 @@ def test_replica_behind_a_silent_partition_says_so_within_the_bound_and_catches_
     caught_up = time.monotonic() - healed
     wait_until(lambda: _connected(cut_off), HEALED_WITHIN, "connected: true again")
     discovery = cut_off.status()["discovery"]
-    print(f"scenario 12 [silent partition between a replica and etcd]: detected_s={detected:.2f} "
-          f"bound_s={BOUND:g} partition_s={healed - cut:.1f} caught_up_s={caught_up:.2f} "
-          f"reconnects={discovery['reconnects']} resyncs={discovery['resyncs']}")  # fmt: skip
+    print(
+        f"scenario 12 [silent partition between a replica and etcd]: detected_s={detected:.2f} "
+        f"bound_s={BOUND:g} partition_s={healed - cut:.1f} caught_up_s={caught_up:.2f} "
+        f"reconnects={discovery['reconnects']} resyncs={discovery['resyncs']}"
+    )
     assert detected <= BOUND + SLACK, f"connected: false after {detected:.2f}s, bound {BOUND:g}s (logs in {logs_dir})"
     assert caught_up <= HEALED_WITHIN, f"caught up {caught_up:.2f}s after healing (logs in {logs_dir})"
     assert discovery["resyncs"] == 0, "the watch should resume from its revision, not re-list"
@@ -99,9 +101,11 @@ def test_registrar_behind_a_silent_partition_shorter_than_ttl_minus_the_bound_ke
         refreshed = time.monotonic() - healed
         # On past the moment the lease would have expired had nothing got through.
         holds(same_key, cut + TTL + 1 - time.monotonic(), "the key under its first lease", interval=0.25)
-        print(f"scenario 13 [silent partition between a registrar and etcd]: noticed_s={noticed:.2f} "
-              f"partition_s={healed - cut:.1f} ttl_s={TTL} lease_bound_s={DEFAULTS.lease_bound:g} "
-              f"refreshed_after_heal_s={refreshed:.2f}")  # fmt: skip
+        print(
+            f"scenario 13 [silent partition between a registrar and etcd]: noticed_s={noticed:.2f} "
+            f"partition_s={healed - cut:.1f} ttl_s={TTL} lease_bound_s={DEFAULTS.lease_bound:g} "
+            f"refreshed_after_heal_s={refreshed:.2f}"
+        )
         assert noticed <= BOUND + SLACK, f"noticed after {noticed:.2f}s (log {registrar.log_path})"
         assert registrar.alive()
     finally:

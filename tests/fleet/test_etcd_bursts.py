@@ -133,8 +133,9 @@ async def test_a_compaction_during_a_pause_raises_compacted(etcd: EtcdServer) ->
 async def test_silence_during_a_pause_ends_the_watch_within_dead_after(etcd: EtcdServer) -> None:
     relay = TcpRelay(etcd.client_port)
     await relay.start()
-    settings = EtcdSettings(endpoints=(relay.endpoint,), dead_after=0.6, burst_events=3, burst_window=60,
-                            burst_pause=30)  # fmt: skip
+    settings = EtcdSettings(
+        endpoints=(relay.endpoint,), dead_after=0.6, burst_events=3, burst_window=60, burst_pause=30
+    )
     try:
         async with EtcdClient(settings) as client, EtcdClient(EtcdSettings(endpoints=(etcd.endpoint,))) as writer:
             batches: list[WatchBatch] = []

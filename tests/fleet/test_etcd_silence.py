@@ -92,8 +92,11 @@ async def test_keep_alive_through_a_silent_partition_shorter_than_ttl_minus_the_
                 await relay.partition()
                 cut = time.monotonic()
                 await eventually(lambda: "keepalive failed" in caplog.text, QUICK + 2.0, "the dead stream noticed")
-                await holds(lambda: not keeper.done(), ttl - settings.lease_bound - 0.5 - (time.monotonic() - cut),
-                            "the keep-alive")  # fmt: skip
+                await holds(
+                    lambda: not keeper.done(),
+                    ttl - settings.lease_bound - 0.5 - (time.monotonic() - cut),
+                    "the keep-alive",
+                )
                 await relay.heal()
                 await eventually(lambda: refreshed[-1] > time.monotonic() - 0.5, QUICK + 2.0, "a refresh after healing")
             await holds(lambda: not keeper.done(), ttl, "the keep-alive")

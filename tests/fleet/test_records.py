@@ -117,8 +117,10 @@ def test_a_record_decodes_as_json_format_decodes_it(obj: dict[str, object]) -> N
 
 
 def test_kv_event_endpoints_are_read_in_both_spellings() -> None:
-    for value in (b'{"kv_events": "tcp://10.0.0.5:5557", "kv_events_replay": "tcp://10.0.0.5:5558"}',
-                  b'{"kvEvents": "tcp://10.0.0.5:5557", "kvEventsReplay": "tcp://10.0.0.5:5558"}'):  # fmt: skip
+    for value in (
+        b'{"kv_events": "tcp://10.0.0.5:5557", "kv_events_replay": "tcp://10.0.0.5:5558"}',
+        b'{"kvEvents": "tcp://10.0.0.5:5557", "kvEventsReplay": "tcp://10.0.0.5:5558"}',
+    ):
         node = LAYOUT.parse(b"/vllm/default/mixed/10.0.0.5:8000", value)
         assert (node.kv_events, node.kv_events_replay) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
     bare = LAYOUT.parse(b"/vllm/default/mixed/10.0.0.5:8000", b'{"kv_events_replay": "tcp://[::1]:5558"}')

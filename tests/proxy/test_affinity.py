@@ -20,8 +20,11 @@ def test_replicas_send_the_same_session_to_the_same_node(logs_dir: Path, reap: R
     for session in range(12):
         for replica in replicas:
             for _ in range(2):
-                answer = replica.post("/v1/completions", json={"model": "sim-model", "prompt": "hi", "max_tokens": 1},
-                                      headers={"X-Session-Id": f"conversation-{session}"})  # fmt: skip
+                answer = replica.post(
+                    "/v1/completions",
+                    json={"model": "sim-model", "prompt": "hi", "max_tokens": 1},
+                    headers={"X-Session-Id": f"conversation-{session}"},
+                )
                 assert answer.status_code == 200
                 homes.setdefault(f"conversation-{session}", set()).add(answer.headers["x-sim-node"])
     assert all(len(nodes) == 1 for nodes in homes.values()), homes

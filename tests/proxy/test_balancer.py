@@ -11,8 +11,10 @@ from vllm_etcd_proxy.proxy.routing.balancer import ConsistentHash, LeastLoad, Po
 
 
 def nodes(count: int) -> list[NodeState]:
-    return [NodeState(node=Node(node_id=f"n{i}:1", role=Role.DECODE, url=f"http://n{i}:1", models=("m",)))
-            for i in range(count)]  # fmt: skip
+    return [
+        NodeState(node=Node(node_id=f"n{i}:1", role=Role.DECODE, url=f"http://n{i}:1", models=("m",)))
+        for i in range(count)
+    ]
 
 
 def test_round_robin_visits_every_node_in_turn() -> None:

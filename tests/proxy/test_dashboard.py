@@ -30,11 +30,26 @@ def chromium() -> str:
 def headless(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     """Chromium loads ``url``, runs its scripts for a few seconds of virtual time, then does ``extra``."""
     return subprocess.run(
-        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-         "--disable-background-networking", f"--user-data-dir={tmp_path / 'chromium'}", "--enable-logging=stderr",
-         "--v=0", "--virtual-time-budget=6000", "--window-size=1200,900", *extra, url],
-        capture_output=True, text=True, timeout=90,
-    )  # fmt: skip
+        [
+            chromium(),
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-extensions",
+            "--disable-background-networking",
+            f"--user-data-dir={tmp_path / 'chromium'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=6000",
+            "--window-size=1200,900",
+            *extra,
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
 
 
 @pytest.fixture
@@ -44,8 +59,9 @@ def fleet(logs_dir: Path) -> Iterator[tuple[ProxyProc, list[SimNode]]]:
     try:
         for node in nodes:
             node.start()
-        proxy = ProxyProc(logs_dir, "--prefill", nodes[0].host_port, "--decode", nodes[1].host_port,
-                          "--scrape-load", "0.2")  # fmt: skip
+        proxy = ProxyProc(
+            logs_dir, "--prefill", nodes[0].host_port, "--decode", nodes[1].host_port, "--scrape-load", "0.2"
+        )
         proxy.wait_routable("prefill", nodes[0].host_port)
         proxy.wait_routable("decode", nodes[1].host_port)
         yield proxy, nodes
@@ -80,6 +96,9 @@ def test_the_dashboard_renders_the_fleet_in_a_real_browser_without_console_error
         assert text in dom
     console = [line for line in done.stderr.splitlines() if "CONSOLE" in line]
     assert not console, console
-    errors = [line for line in done.stderr.splitlines()
-              if ":ERROR:" in line and ("javascript" in line.lower() or "Uncaught" in line)]  # fmt: skip
+    errors = [
+        line
+        for line in done.stderr.splitlines()
+        if ":ERROR:" in line and ("javascript" in line.lower() or "Uncaught" in line)
+    ]
     assert not errors, errors

@@ -29,9 +29,13 @@ def test_prefill_leg_generates_one_token_without_streaming() -> None:
     for dropped in ("stream_options", "min_tokens", "min_completion_tokens"):
         assert dropped not in body
     assert body["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
-    }  # fmt: skip
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert body["temperature"] == 0.2 and body["some_vllm_extension"] == {"a": [1, 2]}
 
 

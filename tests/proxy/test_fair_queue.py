@@ -41,8 +41,17 @@ def other(logs: Path) -> Iterator[SimNode]:
 
 
 def replica(logs: Path, node: SimNode, other: SimNode, timeout: str, name: str) -> ProxyProc:
-    proxy = ProxyProc(logs, "--mixed", node.host_port, other.host_port, "--max-connections", "1",
-                      "--queue-timeout", timeout, name=name)  # fmt: skip
+    proxy = ProxyProc(
+        logs,
+        "--mixed",
+        node.host_port,
+        other.host_port,
+        "--max-connections",
+        "1",
+        "--queue-timeout",
+        timeout,
+        name=name,
+    )
     proxy.wait_routable("mixed", node.host_port)
     proxy.wait_routable("mixed", other.host_port)
     return proxy
@@ -67,16 +76,22 @@ class Holder:
         node.wait_for_request(request_id=request_id, state="running")
 
     def _run(self, proxy: ProxyProc, tokens: int) -> None:
-        with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=chat(max_tokens=tokens, stream=True),
-                          headers={"X-Request-Id": self.request_id}, timeout=60) as answer:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            f"{proxy.url}/v1/chat/completions",
+            json=chat(max_tokens=tokens, stream=True),
+            headers={"X-Request-Id": self.request_id},
+            timeout=60,
+        ) as answer:
             for _ in answer.iter_bytes():
                 pass
 
 
 def send(proxy: ProxyProc, request_id: str, results: dict[str, int], **extra: object) -> threading.Thread:
     def run() -> None:
-        answer = httpx.post(f"{proxy.url}/v1/chat/completions", json=chat(**extra),
-                            headers={"X-Request-Id": request_id}, timeout=60)  # fmt: skip
+        answer = httpx.post(
+            f"{proxy.url}/v1/chat/completions", json=chat(**extra), headers={"X-Request-Id": request_id}, timeout=60
+        )
         results[request_id] = answer.status_code
 
     thread = threading.Thread(target=run)
@@ -115,8 +130,10 @@ def test_a_queued_client_that_disconnects_leaves_the_queue_and_never_reaches_the
     body = b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     abandoned = metric(proxy, "vllm_proxy_tenant_queue_abandoned_total", tenant="none")
     with socket.create_connection((HOST, proxy.port)) as client:
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"X-Request-Id: gone\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: gone\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         wait_until(lambda: depth(proxy) == 1, 10, "the request queued")
     wait_until(lambda: depth(proxy) == 0, 10, "the abandoned request left the queue")
     assert metric(proxy, "vllm_proxy_tenant_queue_abandoned_total", tenant="none") == abandoned + 1
@@ -155,8 +172,19 @@ def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503_with_retry_
 def test_a_node_whose_scraped_queue_is_at_the_threshold_is_full_until_a_scrape_shows_room(
     logs: Path, node: SimNode, other: SimNode
 ) -> None:
-    watcher = ProxyProc(logs, "--mixed", node.host_port, other.host_port, "--queue-timeout", "20",
-                        "--queue-when-waiting", "1", "--scrape-load", "0.1", name="waiting-proxy")  # fmt: skip
+    watcher = ProxyProc(
+        logs,
+        "--mixed",
+        node.host_port,
+        other.host_port,
+        "--queue-timeout",
+        "20",
+        "--queue-when-waiting",
+        "1",
+        "--scrape-load",
+        "0.1",
+        name="waiting-proxy",
+    )
     try:
         watcher.wait_routable("mixed", node.host_port)
 

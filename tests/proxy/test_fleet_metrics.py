@@ -16,8 +16,13 @@ from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
 
 MODEL = "sim-model"
-NODE_GAUGES = ("vllm_proxy_node_running", "vllm_proxy_node_waiting", "vllm_proxy_node_kv_cache_usage",
-               "vllm_proxy_node_scrape_age_seconds", "vllm_proxy_node_routable")  # fmt: skip
+NODE_GAUGES = (
+    "vllm_proxy_node_running",
+    "vllm_proxy_node_waiting",
+    "vllm_proxy_node_kv_cache_usage",
+    "vllm_proxy_node_scrape_age_seconds",
+    "vllm_proxy_node_routable",
+)
 
 
 def samples(proxy: ProxyProc) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -71,8 +76,11 @@ def test_each_nodes_gauges_are_on_the_replica_and_a_node_that_leaves_leaves_them
     for _ in range(4):
         body = {"model": MODEL, "prompt": "the same long prompt " * 20, "max_tokens": 2}
         assert httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=10).status_code == 200
-    wait_until(lambda: any(v > 0 for _, v in samples(proxy).get("vllm_proxy_node_prefix_cache_hit_rate", [])), 10,
-               "a prefix-cache hit rate above 0")  # fmt: skip
+    wait_until(
+        lambda: any(v > 0 for _, v in samples(proxy).get("vllm_proxy_node_prefix_cache_hit_rate", [])),
+        10,
+        "a prefix-cache hit rate above 0",
+    )
 
     gone = nodes[0].host_port
     etcd.etcdctl("del", f"/vllm/default/mixed/{gone}")
@@ -85,8 +93,13 @@ def test_each_nodes_gauges_are_on_the_replica_and_a_node_that_leaves_leaves_them
 
 def test_completions_are_measured_by_model_as_their_clients_see_them(fleet: tuple[ProxyProc, list[SimNode]]) -> None:
     proxy, _ = fleet
-    stream = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
-              "stream_options": {"include_usage": True}}  # fmt: skip
+    stream = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     for body in (stream, {**stream, "stream": False, "stream_options": None}):
         answer = httpx.post(f"{proxy.url}/v1/chat/completions", json=body, timeout=10)
         assert answer.status_code == 200

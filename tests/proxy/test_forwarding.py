@@ -86,8 +86,9 @@ async def replica(transport: ScriptedTransport, *flags: str) -> AsyncIterator[st
     argv = ["--mixed", NODE_A, NODE_B, "--model", MODEL, "--policy", "round-robin", *flags]
     app: ProxyApp = build_app(settings_from_args(build_parser().parse_args(argv)), transport=transport)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_config=None, lifespan="on",
-                                           loop="asyncio", http="httptools"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=HOST, port=port, log_config=None, lifespan="on", loop="asyncio", http="httptools")
+    )
     task = asyncio.create_task(server.serve())
     try:
         async with asyncio.timeout(10):
@@ -109,8 +110,9 @@ async def workers(client: httpx.AsyncClient) -> dict[str, dict[str, object]]:
 
 
 async def test_a_5xx_is_retried_on_another_node_and_counts_against_the_first() -> None:
-    transport = ScriptedTransport({NODE_A: [Answer(status=500, chunks=[b'{"error": "boom"}'])],
-                                   NODE_B: [Answer(chunks=[b'{"from": "b"}'])]})  # fmt: skip
+    transport = ScriptedTransport(
+        {NODE_A: [Answer(status=500, chunks=[b'{"error": "boom"}'])], NODE_B: [Answer(chunks=[b'{"from": "b"}'])]}
+    )
     async with replica(transport, "--eject-after", "0") as url, httpx.AsyncClient(base_url=url) as client:
         for _ in range(4):
             answer = await client.post("/v1/completions", json=completion())
@@ -153,8 +155,9 @@ async def test_a_node_answering_503_is_held_back_for_a_while_then_tried_again_ne
 
 async def test_when_every_node_fails_the_client_gets_the_last_nodes_own_error() -> None:
     error = b'{"object": "error", "message": "engine dead", "code": 500}'
-    transport = ScriptedTransport({NODE_A: [Answer(status=500, chunks=[error])],
-                                   NODE_B: [Answer(status=500, chunks=[error])]})  # fmt: skip
+    transport = ScriptedTransport(
+        {NODE_A: [Answer(status=500, chunks=[error])], NODE_B: [Answer(status=500, chunks=[error])]}
+    )
     async with replica(transport, "--eject-after", "0") as url, httpx.AsyncClient(base_url=url) as client:
         answer = await client.post("/v1/completions", json=completion())
         assert answer.status_code == 500 and answer.content == error
@@ -187,8 +190,11 @@ async def test_a_stream_that_breaks_after_its_first_bytes_ends_with_an_error_eve
 
 
 async def test_a_json_body_cut_off_midway_is_left_unfinished_so_the_client_sees_an_error() -> None:
-    half = Answer(headers=[*JSON, (b"content-length", b"40")], chunks=[b'{"choices": [{"text": "'],
-                  then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    half = Answer(
+        headers=[*JSON, (b"content-length", b"40")],
+        chunks=[b'{"choices": [{"text": "'],
+        then=UpstreamFailed("node broke off the response"),
+    )
     transport = ScriptedTransport({NODE_A: [half], NODE_B: [half]})
     async with replica(transport) as url, httpx.AsyncClient(base_url=url) as client:
         with pytest.raises(httpx.RemoteProtocolError):
@@ -200,8 +206,9 @@ async def test_a_json_body_cut_off_midway_is_left_unfinished_so_the_client_sees_
 
 
 async def test_a_request_that_fails_inside_the_proxy_leaks_no_node_slot_and_no_concurrency_slot() -> None:
-    transport = ScriptedTransport({NODE_A: [Answer(refuse=RuntimeError("bug"))],
-                                   NODE_B: [Answer(refuse=RuntimeError("bug"))]})  # fmt: skip
+    transport = ScriptedTransport(
+        {NODE_A: [Answer(refuse=RuntimeError("bug"))], NODE_B: [Answer(refuse=RuntimeError("bug"))]}
+    )
     async with replica(transport, "--max-concurrent-requests", "1") as url, httpx.AsyncClient(base_url=url) as client:
         for _ in range(3):
             assert (await client.post("/v1/completions", json=completion())).status_code == 500
@@ -215,10 +222,15 @@ async def test_a_request_that_fails_inside_the_proxy_leaks_no_node_slot_and_no_c
 async def test_a_broken_stream_goes_on_from_another_node_with_the_rest_of_the_answer_asked_for() -> None:
     head = b'{"id": "cmpl-1", "created": 7, "model": "m", "choices": [{"index": 0, "text": '
     first = [head + b'" one"}]}\n\ndata: ', head + b'" two"}]}\n\n']  # an event cut across two reads
-    broken = Answer(headers=list(SSE), chunks=[b"data: " + first[0], first[1], b"data: " + head[:20]],
-                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
-    rest = b'{"id": "cmpl-2", "created": 9, "model": "m", "choices": [{"index": 0, "text": " three", ' \
-           b'"finish_reason": "length"}]}'  # fmt: skip
+    broken = Answer(
+        headers=list(SSE),
+        chunks=[b"data: " + first[0], first[1], b"data: " + head[:20]],
+        then=UpstreamFailed("node broke off the response"),
+    )
+    rest = (
+        b'{"id": "cmpl-2", "created": 9, "model": "m", "choices": [{"index": 0, "text": " three", '
+        b'"finish_reason": "length"}]}'
+    )
     fine = Answer(headers=list(SSE), chunks=[b"data: " + rest + b"\n\n", b"data: [DONE]\n\n"])
     transport = ScriptedTransport({NODE_A: [broken], NODE_B: [fine]})
     async with replica(transport, "--policy", "round-robin") as url, httpx.AsyncClient(base_url=url) as client:
@@ -242,8 +254,9 @@ def _stream_of(text: bytes, *, finish: bool) -> list[bytes]:
 
 async def test_a_broken_stream_is_resumed_on_another_node_even_when_the_policy_prefers_the_failed_one() -> None:
     # One user: consistent-hash sends the request and its continuation to the same node, unless told to avoid it.
-    broken = Answer(headers=list(SSE), chunks=_stream_of(b" one", finish=False),
-                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    broken = Answer(
+        headers=list(SSE), chunks=_stream_of(b" one", finish=False), then=UpstreamFailed("node broke off the response")
+    )
     fine = Answer(headers=list(SSE), chunks=_stream_of(b" two", finish=True))
     transport = ScriptedTransport({NODE_A: [broken, fine], NODE_B: [broken, fine]})
     body = {**completion(stream=True), "max_tokens": 2, "user": "u1"}
@@ -256,8 +269,9 @@ async def test_a_broken_stream_is_resumed_on_another_node_even_when_the_policy_p
 async def test_a_node_whose_streams_all_break_after_their_headers_is_ejected() -> None:
     # Headers prove nothing (a wedged engine sends them): a node that breaks every stream must not have its
     # failures reset by each new request's headers.
-    broken = Answer(headers=list(SSE), chunks=_stream_of(b" one", finish=False),
-                    then=UpstreamFailed("node broke off the response"))  # fmt: skip
+    broken = Answer(
+        headers=list(SSE), chunks=_stream_of(b" one", finish=False), then=UpstreamFailed("node broke off the response")
+    )
     fine = Answer(headers=list(SSE), chunks=_stream_of(b" two", finish=True))
     transport = ScriptedTransport({NODE_A: [broken], NODE_B: [fine]})
     flags = ("--policy", "round-robin", "--eject-after", "2", "--eject-backoff", "60")

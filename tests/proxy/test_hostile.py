@@ -20,9 +20,24 @@ from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
 
 MODEL = "sim-model"
-ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models",
-          "/instances/add", "/instances/remove", "/status", "/list_workers", "/health", "/ready", "/metrics",
-          "/nope", "/v1/../etc/passwd", "/v1/completions/extra"]  # fmt: skip
+ROUTES = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/tokenize",
+    "/detokenize",
+    "/v1/models",
+    "/instances/add",
+    "/instances/remove",
+    "/status",
+    "/list_workers",
+    "/health",
+    "/ready",
+    "/metrics",
+    "/nope",
+    "/v1/../etc/passwd",
+    "/v1/completions/extra",
+]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 
 json_values = st.recursive(
@@ -44,7 +59,7 @@ bodies = st.one_of(
             "messages": field_values,
             "stream_options": field_values,
             "n": field_values,
-        },  # fmt: skip
+        },
     ).map(lambda v: json.dumps(v).encode()),
     st.integers(1, 3000).map(lambda depth: b"[" * depth + b"]" * depth),
     st.integers(1, 3000).map(lambda depth: b'{"a":' * depth + b"1" + b"}" * depth),
@@ -52,8 +67,9 @@ bodies = st.one_of(
 header_values = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=40)
 headers = st.dictionaries(
     st.sampled_from(["content-type", "x-request-id", "authorization", "x-api-key", "accept", "content-encoding"]),
-    header_values, max_size=4,
-)  # fmt: skip
+    header_values,
+    max_size=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +97,11 @@ def client(stack: tuple[ProxyProc, SimNode]) -> Iterator[httpx.Client]:
 def assert_well_formed(response: httpx.Response) -> None:
     assert response.status_code in {200, 400, 401, 403, 404, 405, 408, 413, 422, 503}, response.status_code
     from_node = "x-sim-node" in response.headers  # a node's own answer (e.g. vLLM's 404 for an unknown route)
-    if response.status_code >= 400 and response.headers.get("content-type", "").startswith("application/json") \
-            and not from_node:  # fmt: skip
+    if (
+        response.status_code >= 400
+        and response.headers.get("content-type", "").startswith("application/json")
+        and not from_node
+    ):
         error = response.json()["error"]
         assert isinstance(error, dict) and {"message", "type", "code"} <= set(error), error
 
@@ -94,22 +113,25 @@ def test_any_request_gets_a_well_formed_answer_and_the_replica_keeps_serving(
 ) -> None:
     answer = client.request(method, route, content=body, headers=extra)
     assert_well_formed(answer)
-    ok = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                    "max_tokens": 1})  # fmt: skip
+    ok = client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    )
     assert ok.status_code == 200
 
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"model": MODEL, "messages": "hi"}, "messages"),
-     ({"model": MODEL, "messages": []}, "messages"),
-     ({"model": MODEL, "messages": [1]}, "messages"),
-     ({"model": MODEL, "prompt": "x", "max_tokens": "9"}, "max_tokens"),
-     ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
-     ({"model": MODEL, "prompt": "x", "stream": 1}, "stream"),
-     ({"model": [MODEL], "prompt": "x"}, "model"),
-     ({"model": MODEL, "prompt": 5}, "prompt")],
-)  # fmt: skip
+    [
+        ({"model": MODEL, "messages": "hi"}, "messages"),
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": [1]}, "messages"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "9"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "stream": 1}, "stream"),
+        ({"model": [MODEL], "prompt": "x"}, "model"),
+        ({"model": MODEL, "prompt": 5}, "prompt"),
+    ],
+)
 def test_wrong_field_types_are_400_naming_the_field_and_reach_no_node(
     stack: tuple[ProxyProc, SimNode], body: dict[str, Any], param: str
 ) -> None:
@@ -132,7 +154,7 @@ etcd_keys = st.one_of(
         st.sampled_from(VALID_ROLES + ["gpu", ""]),
         st.sampled_from(["127.0.0.1", "localhost", "[::1]", "bad host", ""]),
         st.sampled_from([DEAD, "0", "70000", "x", ""]),
-    ),  # fmt: skip
+    ),
     st.binary(max_size=30).map(lambda b: b"/vllm/default/decode/" + b),
 )
 etcd_values = st.one_of(
@@ -150,7 +172,7 @@ etcd_values = st.one_of(
             "status": st.sampled_from(["serving", "draining", "asleep"]),
             "labels": json_values,
         },
-    ).map(lambda v: json.dumps(v).encode()),  # fmt: skip
+    ).map(lambda v: json.dumps(v).encode()),
 )
 
 
@@ -166,8 +188,10 @@ def test_generated_garbage_in_etcd_leaves_exactly_the_valid_nodes(etcd: EtcdServ
 
     collect()
     dead = DeadPort()
-    examples = {k.replace(DEAD.encode(), str(dead.port).encode()): v.replace(DEAD.encode(), str(dead.port).encode())
-                for k, v in examples.items()}  # fmt: skip
+    examples = {
+        k.replace(DEAD.encode(), str(dead.port).encode()): v.replace(DEAD.encode(), str(dead.port).encode())
+        for k, v in examples.items()
+    }
     valid: set[str] = set()
     layout = KeyLayout()
     for key, value in list(examples.items()):

@@ -10,8 +10,9 @@ from vllm_etcd_proxy.proxy.routing.kvblocks import BlockMap
 
 # Small hashes share their home slots (and the runs reach the end of the table and wrap); large ones spread.
 HASHES = st.integers(0, 40) | st.integers(0, (1 << 60) - 1) | st.sampled_from([15, 31, 47, 63, 1 << 40, (1 << 40) + 15])
-CHANGES = st.lists(st.tuples(st.sampled_from(["add", "pop", "clear"]), HASHES, st.integers(0, (1 << 60) - 1)),
-                   max_size=400)  # fmt: skip
+CHANGES = st.lists(
+    st.tuples(st.sampled_from(["add", "pop", "clear"]), HASHES, st.integers(0, (1 << 60) - 1)), max_size=400
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -23,6 +23,7 @@ def test_bad_kv_events_flags_are_usage_errors(argv: list[str], capsys: pytest.Ca
 
 
 def test_kv_events_flag_names_a_static_node_by_its_address() -> None:
-    settings = parse_settings(["--mixed", "127.0.0.1:8100", "--kv-events",
-                               "127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"])  # fmt: skip
+    settings = parse_settings(
+        ["--mixed", "127.0.0.1:8100", "--kv-events", "127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"]
+    )
     assert settings.kv_events == (("127.0.0.1:8100", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"),)

@@ -15,14 +15,32 @@ from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, token_id_prompt
 
 BS = 4
 IDS = list(range(1, 13))  # three blocks
-MAP_BATCH = [1.5, [{"type": "BlockStored", "block_hashes": [11, 12, 13], "parent_block_hash": None,
-                    "token_ids": IDS, "block_size": BS, "lora_id": None, "medium": "GPU", "lora_name": None,
-                    "extra_keys": [None, None, None], "group_idx": 0, "kv_cache_spec_kind": "full_attention",
-                    "a_future_field": {"x": 1}},
-                   {"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"},
-                   {"type": "SomethingNew", "x": 1}], 0]  # fmt: skip
-ARRAY_BATCH = {"ts": 1.5, "events": [["BlockStored", [b"\x01" * 32, b"\x02" * 32], None, IDS[:8], BS, None, "GPU"],
-                                     ["AllBlocksCleared"]]}  # fmt: skip
+MAP_BATCH = [
+    1.5,
+    [
+        {
+            "type": "BlockStored",
+            "block_hashes": [11, 12, 13],
+            "parent_block_hash": None,
+            "token_ids": IDS,
+            "block_size": BS,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+            "extra_keys": [None, None, None],
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
+            "a_future_field": {"x": 1},
+        },
+        {"type": "BlockRemoved", "block_hashes": [13], "medium": "GPU"},
+        {"type": "SomethingNew", "x": 1},
+    ],
+    0,
+]
+ARRAY_BATCH = {
+    "ts": 1.5,
+    "events": [["BlockStored", [b"\x01" * 32, b"\x02" * 32], None, IDS[:8], BS, None, "GPU"], ["AllBlocksCleared"]],
+}
 
 
 def state(name: str) -> NodeState:
@@ -44,16 +62,25 @@ def test_batches_are_read_in_both_encodings_with_int_or_bytes_hashes() -> None:
     assert read_seq((-1).to_bytes(8, "big", signed=True)) == -1
 
 
-@pytest.mark.parametrize("payload", [b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode("x"),
-                                     msgspec.msgpack.encode({"ts": "now", "events": []})])  # fmt: skip
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",
+        msgspec.msgpack.encode([1.0]),
+        msgspec.msgpack.encode("x"),
+        msgspec.msgpack.encode({"ts": "now", "events": []}),
+    ],
+)
 def test_a_payload_that_is_no_batch_is_malformed(payload: bytes) -> None:
     with pytest.raises(Malformed):
         read_batch(0, payload)
 
 
 def test_a_malformed_event_is_left_out_and_counted_the_rest_kept() -> None:
-    events = [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
-               "block_size": BS}, {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}]  # fmt: skip
+    events = [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2], "block_size": BS},
+        {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"},
+    ]
     batch = read_batch(0, msgspec.msgpack.encode([0.0, events, 0]))
     assert batch.events == [Removed([5])] and batch.bad_events == 1
 
@@ -95,8 +122,12 @@ def test_token_id_prompts_are_read_and_text_is_left_to_a_tokenizer() -> None:
     assert token_id_prompt("m", {"prompt": [1, 2, 3]}, "completion") == [1, 2, 3]
     assert token_id_prompt("m", {"prompt": [[1, 2]]}, "completion") == [1, 2]
     assert token_id_prompt("m", {"token_ids": [4, 5]}, "generate") == [4, 5]
-    for body, kind in (({"prompt": "text"}, "completion"), ({"prompt": [1, True]}, "completion"),
-                       ({"messages": []}, "chat"), ({"prompt": [[1], [2]]}, "completion")):  # fmt: skip
+    for body, kind in (
+        ({"prompt": "text"}, "completion"),
+        ({"prompt": [1, True]}, "completion"),
+        ({"messages": []}, "chat"),
+        ({"prompt": [[1], [2]]}, "completion"),
+    ):
         assert token_id_prompt("m", body, kind) is None
 
 

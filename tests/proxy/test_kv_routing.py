@@ -32,19 +32,30 @@ class Fleet:
         self.etcd.start()
         for name in NAMES:
             events, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
-            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
-                      "replay_endpoint": replay, "topic": "kv"}  # fmt: skip
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": events,
+                "replay_endpoint": replay,
+                "topic": "kv",
+            }
             node = SimNode(self.root, f"sim-{name}", block_size=BS, output_len=1, kv_events_config=json.dumps(config))
             self.nodes[name], self.endpoints[name] = node.start(), (events, replay)
-            record = {"url": node.url, "role": "mixed", "models": ["sim-model"], "kv_events": events,
-                      "kv_events_replay": replay}  # fmt: skip
+            record = {
+                "url": node.url,
+                "role": "mixed",
+                "models": ["sim-model"],
+                "kv_events": events,
+                "kv_events_replay": replay,
+            }
             self.etcd.etcdctl("put", f"/vllm/default/mixed/{node.host_port}", json.dumps(record))
         for _ in range(2):
             self.proxies.append(self.proxy())
 
     def proxy(self) -> ProxyProc:
-        proxy = ProxyProc(self.root, "--etcd", self.etcd.endpoint, "--scrape-load", "0",
-                          name=f"proxy{len(self.proxies)}")  # fmt: skip
+        proxy = ProxyProc(
+            self.root, "--etcd", self.etcd.endpoint, "--scrape-load", "0", name=f"proxy{len(self.proxies)}"
+        )
         wait_until(lambda: all(tracked(proxy, n) for n in self.nodes.values()), 20, "every node tracked")
         return proxy
 
@@ -110,8 +121,9 @@ def routed_and_seen(fleet: Fleet, via: ProxyProc, ids: list[int]) -> str:
     placed = routed(via, ids)
     node = next(n for n in fleet.nodes.values() if n.host_port == placed)
     for proxy in others:
-        wait_until(lambda p=proxy: kv_state(p, node)["batches"] > before[p][placed], 10,
-                   f"{placed}'s events on {proxy}")  # fmt: skip
+        wait_until(
+            lambda p=proxy: kv_state(p, node)["batches"] > before[p][placed], 10, f"{placed}'s events on {proxy}"
+        )
     return placed
 
 

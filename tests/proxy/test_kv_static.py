@@ -29,15 +29,29 @@ def kv_state(proxy: ProxyProc, node: SimNode) -> dict[str, object]:
 
 def decisions(proxy: ProxyProc) -> dict[str, float]:
     lines = proxy.get("/metrics").text.splitlines()
-    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in lines
-            if line.startswith("vllm_proxy_kv_routing_decisions_total{")}  # fmt: skip
+    return {
+        line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("vllm_proxy_kv_routing_decisions_total{")
+    }
 
 
 def test_the_prefill_leg_is_skipped_when_the_decode_node_already_holds_the_prompt(logs_dir: Path) -> None:
     prefill, prefill_flag = publishing(logs_dir, "kv-prefill", role="prefill")
     decode, decode_flag = publishing(logs_dir, "kv-decode", role="decode")
-    proxy = ProxyProc(logs_dir, "--prefill", prefill.host_port, "--decode", decode.host_port, "--kv-events",
-                      prefill_flag, "--kv-events", decode_flag, "--pd-min-prompt-tokens", "8")  # fmt: skip
+    proxy = ProxyProc(
+        logs_dir,
+        "--prefill",
+        prefill.host_port,
+        "--decode",
+        decode.host_port,
+        "--kv-events",
+        prefill_flag,
+        "--kv-events",
+        decode_flag,
+        "--pd-min-prompt-tokens",
+        "8",
+    )
     try:
         for node in (prefill, decode):
             wait_until(lambda n=node: kv_state(proxy, n)["tracked"], 10, f"{node.name} tracked")
@@ -47,13 +61,19 @@ def test_the_prefill_leg_is_skipped_when_the_decode_node_already_holds_the_promp
         wait_until(lambda: kv_state(proxy, decode)["blocks_indexed"] == 10, 10, "the decode node's blocks")
         # This replica never saw the prompt (content affinity would call it all new), but the index knows that
         # the decode node lacks only the last 2 of its 42 tokens: fewer than 8, no prefill leg.
-        answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": [*ids, 1, 2], "max_tokens": 1},
-                            headers={"X-Request-Id": "known"})  # fmt: skip
+        answer = proxy.post(
+            "/v1/completions",
+            json={"model": "sim-model", "prompt": [*ids, 1, 2], "max_tokens": 1},
+            headers={"X-Request-Id": "known"},
+        )
         assert answer.status_code == 200
         assert not any(r["request_id"] == "known" for r in prefill.requests())
         fresh = list(range(700, 740))
-        answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": fresh, "max_tokens": 1},
-                            headers={"X-Request-Id": "fresh"})  # fmt: skip
+        answer = proxy.post(
+            "/v1/completions",
+            json={"model": "sim-model", "prompt": fresh, "max_tokens": 1},
+            headers={"X-Request-Id": "fresh"},
+        )
         assert answer.status_code == 200
         assert any(r["request_id"] == "fresh" for r in prefill.requests())
     finally:
@@ -65,8 +85,14 @@ def test_the_prefill_leg_is_skipped_when_the_decode_node_already_holds_the_promp
 def test_an_unreachable_publisher_leaves_its_node_to_content_affinity(logs_dir: Path) -> None:
     node = SimNode(logs_dir, "kv-none").start()
     nowhere = f"tcp://{HOST}:{free_port()}"
-    proxy = ProxyProc(logs_dir, "--mixed", node.host_port, node.host_port.replace(HOST, "localhost"),
-                      "--kv-events", f"{node.host_port}={nowhere}")  # fmt: skip
+    proxy = ProxyProc(
+        logs_dir,
+        "--mixed",
+        node.host_port,
+        node.host_port.replace(HOST, "localhost"),
+        "--kv-events",
+        f"{node.host_port}={nowhere}",
+    )
     try:
         proxy.wait_routable("mixed", node.host_port)
         for i in range(3):
@@ -83,8 +109,9 @@ def test_an_unreachable_publisher_leaves_its_node_to_content_affinity(logs_dir: 
 def test_a_chat_finds_the_blocks_of_its_rendered_prompt(logs_dir: Path, tmp_path: Path) -> None:
     tokenizer = tmp_path / "sim-tokenizer"
     nodes, flags = zip(*(publishing(logs_dir, f"kv-chat-{n}", tokenizer=tokenizer) for n in "ab"), strict=True)
-    proxy = ProxyProc(logs_dir, "--mixed", *(n.host_port for n in nodes),
-                      *(arg for flag in flags for arg in ("--kv-events", flag)))  # fmt: skip
+    proxy = ProxyProc(
+        logs_dir, "--mixed", *(n.host_port for n in nodes), *(arg for flag in flags for arg in ("--kv-events", flag))
+    )
     words = "the proxy routes each request to a node that serves the model and streams tokens back as they come"
 
     def chat(topic: str, *more: dict[str, str]) -> dict[str, object]:
@@ -106,8 +133,10 @@ def test_a_chat_finds_the_blocks_of_its_rendered_prompt(logs_dir: Path, tmp_path
         assert httpx.post(f"{holder.url}/v1/chat/completions", json=chat("first"), timeout=10).status_code == 200
         wait_until(lambda: kv_state(proxy, holder)["batches"] > seen, 10, "the holder's events")  # type: ignore[operator]
         before = decisions(proxy)["cached_prefix"]
-        answer = proxy.post("/v1/chat/completions", json=chat("first", {"role": "assistant", "content": "yes"},
-                                                              {"role": "user", "content": "and then"}))  # fmt: skip
+        answer = proxy.post(
+            "/v1/chat/completions",
+            json=chat("first", {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then"}),
+        )
         assert answer.status_code == 200 and answer.headers["x-sim-node"] == holder.host_port
         assert decisions(proxy)["cached_prefix"] == before + 1
     finally:
@@ -130,8 +159,11 @@ def test_a_publishing_nodes_tokenizer_loads_before_the_first_request(logs_dir: P
         wait_until(loaded, 15, "the tokenizer loaded with no request sent")
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1}
         assert proxy.post("/v1/chat/completions", json=body).status_code == 200
-        outcomes = [line for line in proxy.get("/metrics").text.splitlines()
-                    if line.startswith("vllm_proxy_prompt_tokenize_total{")]  # fmt: skip
+        outcomes = [
+            line
+            for line in proxy.get("/metrics").text.splitlines()
+            if line.startswith("vllm_proxy_prompt_tokenize_total{")
+        ]
         assert 'vllm_proxy_prompt_tokenize_total{outcome="whole"} 1.0' in outcomes, outcomes
     finally:
         proxy.stop()

@@ -107,8 +107,18 @@ def test_a_node_that_answers_stays_fresh_among_hundreds_that_refuse(tmp_path: Pa
     and backs off, within the routine ceiling, so the live node is still scraped every interval."""
     dead = [f"127.0.0.1:{free_port()}" for _ in range(300)]
     with SimNode(tmp_path, "alive") as node:
-        replica = ProxyProc(tmp_path, "--mixed", node.host_port, *dead, "--model", "sim-model",
-                            "--scrape-load", "0.1", "--log-level", "warning")  # fmt: skip
+        replica = ProxyProc(
+            tmp_path,
+            "--mixed",
+            node.host_port,
+            *dead,
+            "--model",
+            "sim-model",
+            "--scrape-load",
+            "0.1",
+            "--log-level",
+            "warning",
+        )
         try:
 
             def age() -> float | None:

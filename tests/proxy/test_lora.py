@@ -39,15 +39,20 @@ class Fleet:
 
 @pytest.fixture
 def fleet(etcd: EtcdServer, logs_dir: Path) -> Iterator[Fleet]:
-    nodes = [SimNode(logs_dir, f"lora-{i}", env=RUNTIME_LORA, enable_lora=True, max_loras=2, lora_load_time=0.3,
-                     output_len=4) for i in range(2)]  # fmt: skip
+    nodes = [
+        SimNode(
+            logs_dir, f"lora-{i}", env=RUNTIME_LORA, enable_lora=True, max_loras=2, lora_load_time=0.3, output_len=4
+        )
+        for i in range(2)
+    ]
     replicas: list[ProxyProc] = []
     try:
         for node in nodes:
             node.start()
             etcd.etcdctl("put", f"/vllm/default/mixed/{node.host_port}", "")
-        replicas = [ProxyProc(logs_dir, "--etcd", etcd.endpoint, "--scrape-load", "0.1", name=f"proxy{i}")
-                    for i in range(2)]  # fmt: skip
+        replicas = [
+            ProxyProc(logs_dir, "--etcd", etcd.endpoint, "--scrape-load", "0.1", name=f"proxy{i}") for i in range(2)
+        ]
         for replica in replicas:
             for node in nodes:
                 replica.wait_routable("mixed", node.host_port)
@@ -111,8 +116,11 @@ async def test_a_failed_load_moves_to_another_node_and_a_load_failing_everywhere
 ) -> None:
     first, second = fleet.nodes
     # A name the replicas would load on ``first`` (ties are broken by a hash of adapter and node id).
-    name = next(f"a{i}" for i in range(100)
-                if _stable_hash(f"a{i}#{first.host_port}") > _stable_hash(f"a{i}#{second.host_port}"))  # fmt: skip
+    name = next(
+        f"a{i}"
+        for i in range(100)
+        if _stable_hash(f"a{i}#{first.host_port}") > _stable_hash(f"a{i}#{second.host_port}")
+    )
     first.configure(lora_load_fail=500)
     fleet.register(name)
     async with httpx.AsyncClient() as client:
@@ -153,8 +161,10 @@ async def test_an_unknown_adapter_gets_vllms_404_listing_the_known_models(fleet:
 async def test_an_adapter_the_nodes_list_themselves_goes_to_the_node_where_it_is_active(
     etcd: EtcdServer, logs_dir: Path
 ) -> None:
-    nodes = [SimNode(logs_dir, f"own-{i}", enable_lora=True, max_loras=2, lora_modules=["own=/loras/own"],
-                     itl=0.02) for i in range(2)]  # fmt: skip
+    nodes = [
+        SimNode(logs_dir, f"own-{i}", enable_lora=True, max_loras=2, lora_modules=["own=/loras/own"], itl=0.02)
+        for i in range(2)
+    ]
     replica = None
     try:
         for node in nodes:

@@ -17,9 +17,13 @@ from vllm_etcd_proxy.proxy.operations.metrics import _ITL_BUCKETS, _TTFT_BUCKETS
 
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = generate_latest(registry).decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) if family.name == name
-            for s in family.samples if not s.name.endswith("_created")}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == name
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
 
 
 @pytest.mark.parametrize("buckets", [_TTFT_BUCKETS, _ITL_BUCKETS])
@@ -58,8 +62,10 @@ def test_a_scrape_shows_every_completion_recorded_before_it() -> None:
     assert ttft[("vllm_proxy_time_to_first_token_seconds_sum", (("model", "m"),))] == pytest.approx(1.5)
     itl = _samples(registry, "vllm_proxy_inter_token_latency_seconds")
     assert ("vllm_proxy_inter_token_latency_seconds_count", (("model", "other"),)) not in itl  # not streamed
-    assert _samples(registry, "vllm_proxy_generation_tokens")[("vllm_proxy_generation_tokens_total",
-                                                                (("model", "m"),))] == 30  # fmt: skip
+    assert (
+        _samples(registry, "vllm_proxy_generation_tokens")[("vllm_proxy_generation_tokens_total", (("model", "m"),))]
+        == 30
+    )
     # The next scrape adds only what came since.
     metrics.generated("m", started, started + 0.5, True, 11, 7, 10)
     assert _samples(registry, "vllm_proxy_prompt_tokens")[("vllm_proxy_prompt_tokens_total", (("model", "m"),))] == 28

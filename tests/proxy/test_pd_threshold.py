@@ -19,8 +19,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProxyProc,
     logs = tmp_path_factory.mktemp("logs")
     prefill = SimNode(logs, "pd-prefill", role="prefill").start()
     decode = SimNode(logs, "pd-decode", role="decode").start()
-    replica = ProxyProc(logs, "--prefill", prefill.host_port, "--decode", decode.host_port,
-                        "--pd-min-prompt-tokens", "256")  # fmt: skip
+    replica = ProxyProc(
+        logs, "--prefill", prefill.host_port, "--decode", decode.host_port, "--pd-min-prompt-tokens", "256"
+    )
     try:
         replica.wait_routable("prefill", prefill.host_port)
         replica.wait_routable("decode", decode.host_port)
@@ -32,8 +33,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProxyProc,
 
 
 def ask(replica: ProxyProc, prompt: str, request_id: str) -> None:
-    answer = replica.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
-                          headers={"X-Request-Id": request_id})  # fmt: skip
+    answer = replica.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 2},
+        headers={"X-Request-Id": request_id},
+    )
     assert answer.status_code == 200, answer.text
 
 

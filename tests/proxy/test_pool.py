@@ -7,17 +7,24 @@ from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 
-def node(i: int, *, role: Role = Role.MIXED, models: tuple[str, ...] = ("m",), status: Status = Status.SERVING,
-         port: int = 1) -> Node:  # fmt: skip
+def node(
+    i: int, *, role: Role = Role.MIXED, models: tuple[str, ...] = ("m",), status: Status = Status.SERVING, port: int = 1
+) -> Node:
     """Node ``i``; another ``port`` is another server under the same key."""
     host = f"127.0.{i // 250}.{i % 250}"  # the pool does no I/O: nothing is contacted
-    return Node(node_id=f"{host}:{port}", role=role, url=f"http://{host}:{port}", models=models, status=status,
-                key=f"/vllm/default/{role.value}/{host}:1", learn_models=not models)  # fmt: skip
+    return Node(
+        node_id=f"{host}:{port}",
+        role=role,
+        url=f"http://{host}:{port}",
+        models=models,
+        status=status,
+        key=f"/vllm/default/{role.value}/{host}:1",
+        learn_models=not models,
+    )
 
 
 STEPS: list[list[PoolEvent]] = [
-    [Snapshot(nodes=(node(1), node(2, models=("m", "n")), node(3, role=Role.PREFILL), node(4, models=())),
-              revision=1)],  # fmt: skip
+    [Snapshot(nodes=(node(1), node(2, models=("m", "n")), node(3, role=Role.PREFILL), node(4, models=())), revision=1)],
     [Upsert(node=node(5), revision=2), Upsert(node=node(6, role=Role.DECODE, models=("n",)), revision=3)],
     [Upsert(node=node(1, status=Status.DRAINING), revision=4)],  # drains: out of the candidates
     [Upsert(node=node(2, models=("n",)), revision=5)],  # stops serving m

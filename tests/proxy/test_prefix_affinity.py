@@ -20,8 +20,10 @@ def chat(session: int, turns: int, preamble: str = PREAMBLE) -> dict[str, Any]:
         {"role": "user", "content": f"session {session}: tell me about topic {session * 7919} " * 3},
     ]
     for turn in range(1, turns):
-        messages += [{"role": "assistant", "content": f"answer {turn} of session {session} " * 5},
-                     {"role": "user", "content": f"and then {turn}?"}]  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": f"answer {turn} of session {session} " * 5},
+            {"role": "user", "content": f"and then {turn}?"},
+        ]
     return {"model": "m", "messages": messages}
 
 
@@ -58,8 +60,10 @@ def test_a_preamble_longer_than_each_sessions_own_part_does_not_merge_sessions()
 def test_token_id_prompts_are_keyed_like_text() -> None:
     index = PrefixIndex()
     shared = list(range(1000, 1400))
-    keys = [{route_hints(index, {"prompt": shared + [s] * 40 + [7] * turn}, None).key for turn in range(3)}
-            for s in range(5)]  # fmt: skip
+    keys = [
+        {route_hints(index, {"prompt": shared + [s] * 40 + [7] * turn}, None).key for turn in range(3)}
+        for s in range(5)
+    ]
     assert all(len(k) == 1 for k in keys[1:]) and len({next(iter(k)) for k in keys[1:]}) == 4
 
 
@@ -79,15 +83,19 @@ def test_requests_with_different_cache_salts_are_never_one_conversation() -> Non
     index = PrefixIndex()
     turns = [chat(1, turn) for turn in range(1, 4)]
     for named in ({}, {"session_id": "s"}, {"user": "u"}):
-        keys = {salt: {route_hints(index, {**t, **named, "cache_salt": salt}, None).key for t in turns}
-                for salt in ("tenant-a", "tenant-b")}  # fmt: skip
+        keys = {
+            salt: {route_hints(index, {**t, **named, "cache_salt": salt}, None).key for t in turns}
+            for salt in ("tenant-a", "tenant-b")
+        }
         assert all(len(k) == 1 for k in keys.values()), keys  # each salt: one conversation across its turns
         assert keys["tenant-a"] != keys["tenant-b"]
 
 
 def nodes(count: int) -> list[NodeState]:
-    return [NodeState(node=Node(node_id=f"n{i}:1", role=Role.MIXED, url=f"http://n{i}:1", models=("m",)))
-            for i in range(count)]  # fmt: skip
+    return [
+        NodeState(node=Node(node_id=f"n{i}:1", role=Role.MIXED, url=f"http://n{i}:1", models=("m",)))
+        for i in range(count)
+    ]
 
 
 def test_cache_aware_sends_a_key_to_the_same_node_on_every_replica_and_spreads_keys() -> None:

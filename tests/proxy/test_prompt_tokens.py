@@ -32,20 +32,36 @@ SYSTEM = "You answer briefly session 1f2e3d4c: the proxy routes each request"
 CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "hello world"}]},
     {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a cache?"}]},
-    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "tok17 tok18"},
-                  {"role": "user", "content": "and then?"}], "add_generation_prompt": False},
-    {"messages": [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "tok900 tok33"}],
-     "add_generation_prompt": False, "continue_final_message": True},
-    {"messages": [{"role": "critic", "content": "Too long."}, {"role": "user", "content": [
-        {"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]}]},
-]  # fmt: skip
+    {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "tok17 tok18"},
+            {"role": "user", "content": "and then?"},
+        ],
+        "add_generation_prompt": False,
+    },
+    {
+        "messages": [{"role": "user", "content": "go on"}, {"role": "assistant", "content": "tok900 tok33"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
+    {
+        "messages": [
+            {"role": "critic", "content": "Too long."},
+            {"role": "user", "content": [{"type": "text", "text": "part one"}, {"type": "text", "text": "two"}]},
+        ]
+    },
+]
 PROMPTS = ["hello world", "User: hello\nAssistant: tok17 tok18", "  spaced\tout  words 12ab! ", "tok4000 tok5000"]
 
 
 words = st.text(alphabet=st.characters(blacklist_categories=["Cs"]), min_size=1, max_size=10)
 contents = st.lists(words | st.sampled_from(vocab.WORDS), max_size=12).map(" ".join)
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]),
-                                           "content": contents}), min_size=1, max_size=6)  # fmt: skip
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]), "content": contents}),
+    min_size=1,
+    max_size=6,
+)
 
 
 @pytest.fixture
@@ -113,8 +129,10 @@ async def test_the_card_root_names_the_tokenizer_directory(sim: SimNode, tmp_pat
 async def test_completion_text_gives_the_ids_the_node_reports(sim: SimNode) -> None:
     tokens = await loaded(prompt_tokens(cards_of(sim)))
     for prompt in PROMPTS:
-        answer = httpx.post(f"{sim.url}/v1/completions", json={
-            "model": MODEL, "prompt": prompt, "max_tokens": 1, "return_token_ids": True}).json()  # fmt: skip
+        answer = httpx.post(
+            f"{sim.url}/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "return_token_ids": True},
+        ).json()
         reported = answer["choices"][0]["prompt_token_ids"]
         assert tokens.prompt_ids(MODEL, {"prompt": prompt}, "completion") == reported
         assert tokens.prompt_ids(MODEL, {"prompt": [prompt]}, "completion") == reported
@@ -125,8 +143,9 @@ async def test_chat_gives_the_ids_the_node_renders(sim: SimNode) -> None:
     tokens = await loaded(prompt_tokens(cards_of(sim)))
     for body in CHATS:
         assert tokens.prompt_ids(MODEL, body, "chat") == node_tokenize(sim, body), body
-    streamed = httpx.post(f"{sim.url}/v1/chat/completions", json={
-        "model": MODEL, **CHATS[1], "max_tokens": 2, "return_token_ids": True}).json()  # fmt: skip
+    streamed = httpx.post(
+        f"{sim.url}/v1/chat/completions", json={"model": MODEL, **CHATS[1], "max_tokens": 2, "return_token_ids": True}
+    ).json()
     assert tokens.prompt_ids(MODEL, CHATS[1], "chat") == streamed["prompt_token_ids"]
 
 
@@ -261,9 +280,11 @@ def test_the_tokenizer_flag_takes_model_equals_source() -> None:
 async def test_a_template_that_loops_over_content_gets_text_parts(tmp_path: Path) -> None:
     # vLLM's "openai" content format: the template sees [{"type": "text", "text": ...}], not a joined string.
     tokenizer = word_tokenizer({"<s>": 0, "<eot>": 1, "<unk>": 2, "hi": 3, "there": 4, "[t]": 5})
-    template = ("{% for message in messages %}{% if message['role'] != 'user' %}{{ raise_exception('users only') }}"
-                "{% endif %}{% for part in message['content'] %}[t] {{ part['text'] }} {% endfor %}<eot>"
-                "{% endfor %}")  # fmt: skip
+    template = (
+        "{% for message in messages %}{% if message['role'] != 'user' %}{{ raise_exception('users only') }}"
+        "{% endif %}{% for part in message['content'] %}[t] {{ part['text'] }} {% endfor %}<eot>"
+        "{% endfor %}"
+    )
     tokens = await loaded(prompt_tokens([], {"m": write_tokenizer(tmp_path / "parts", tokenizer, template)}), "m")
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, "there"]}]}
     assert tokens.prompt_ids("m", parts, "chat") == [5, 3, 5, 4, 1]

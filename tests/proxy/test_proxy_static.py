@@ -41,9 +41,15 @@ def fleet(module_logs: Path) -> Iterator[dict[str, SimNode]]:
 @pytest.fixture(scope="module")
 def proxy(module_logs: Path, fleet: dict[str, SimNode]) -> Iterator[ProxyProc]:
     replica = ProxyProc(
-        module_logs, "--prefill", fleet["prefill"].host_port, "--decode", fleet["decode"].host_port,
-        "--mixed", fleet["mixed"].host_port, admin_key="sekret",
-    )  # fmt: skip
+        module_logs,
+        "--prefill",
+        fleet["prefill"].host_port,
+        "--decode",
+        fleet["decode"].host_port,
+        "--mixed",
+        fleet["mixed"].host_port,
+        admin_key="sekret",
+    )
     try:
         for role, node in fleet.items():
             replica.wait_routable(role, node.host_port)
@@ -103,8 +109,9 @@ def test_stream_is_relayed_chunk_by_chunk_not_buffered(proxy: ProxyProc, fleet: 
 def test_mixed_model_is_forwarded_byte_for_byte(proxy: ProxyProc, fleet: dict[str, SimNode]) -> None:
     # Odd spacing, key order, escapes and non-ASCII: any re-encoding would change these bytes.
     raw = '{ "prompt":"h\\u00e9 – 你好" ,"model":"other-model",  "max_tokens":2,"vllm_xargs":{"k":1.50}}\n'.encode()
-    response = proxy.post("/v1/completions", content=raw, headers={"content-type": "application/json",
-                                                                   "x-request-id": "byte-for-byte"})  # fmt: skip
+    response = proxy.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json", "x-request-id": "byte-for-byte"}
+    )
     assert response.status_code == 200
     assert response.headers["x-sim-node"] == fleet["mixed"].host_port
     seen = fleet["mixed"].wait_for_request(request_id="byte-for-byte")
@@ -122,9 +129,14 @@ def test_unknown_model_is_a_404_listing_the_known_ones(proxy: ProxyProc) -> None
 
 @pytest.mark.parametrize(
     ("body", "status"),
-    [(b"{not json", 400), (b"[1, 2]", 400), (b'{"model": "", "prompt": "x"}', 400), (b'{"model": 5}', 400),
-     (b'{"model": "sim-model", "stream": "yes"}', 400)],
-)  # fmt: skip
+    [
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'{"model": "", "prompt": "x"}', 400),
+        (b'{"model": 5}', 400),
+        (b'{"model": "sim-model", "stream": "yes"}', 400),
+    ],
+)
 def test_malformed_requests_get_openai_errors_and_reach_no_node(
     proxy: ProxyProc, fleet: dict[str, SimNode], body: bytes, status: int
 ) -> None:
@@ -137,8 +149,9 @@ def test_malformed_requests_get_openai_errors_and_reach_no_node(
 def test_client_disconnect_cancels_the_upstream_stream(proxy: ProxyProc, fleet: dict[str, SimNode]) -> None:
     fleet["decode"].configure(itl=0.2)
     body = {**CHAT, "max_tokens": 100, "stream": True}
-    with httpx.stream("POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=30,
-                      headers={"X-Request-Id": "walks-away"}) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{proxy.url}/v1/chat/completions", json=body, timeout=30, headers={"X-Request-Id": "walks-away"}
+    ) as response:
         next(line for line in response.iter_lines() if line.startswith("data:"))
     seen = fleet["decode"].wait_for_request(timeout=2.0, request_id="walks-away", cancelled=True)
     assert seen["completion_tokens"] < 100
@@ -149,8 +162,12 @@ def test_client_disconnect_while_waiting_for_a_non_streamed_answer_cancels_it(
 ) -> None:
     fleet["decode"].configure(itl=0.2)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{proxy.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 100},
-                   headers={"X-Request-Id": "impatient"}, timeout=0.5)  # fmt: skip
+        httpx.post(
+            f"{proxy.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 100},
+            headers={"X-Request-Id": "impatient"},
+            timeout=0.5,
+        )
     fleet["decode"].wait_for_request(timeout=2.0, request_id="impatient", cancelled=True)
 
 
@@ -192,21 +209,31 @@ def test_admin_api_needs_the_key_and_edits_the_pool(proxy: ProxyProc, module_log
 
 def test_admin_add_of_a_live_node_makes_it_routable(proxy: ProxyProc, module_logs: Path) -> None:
     with SimNode(module_logs, "late-mixed", role="mixed", model="late-model") as late:
-        answer = proxy.post("/instances/add", json={"type": "mixed", "instance": late.host_port},
-                            headers={"X-Api-Key": "sekret"})  # fmt: skip
+        answer = proxy.post(
+            "/instances/add", json={"type": "mixed", "instance": late.host_port}, headers={"X-Api-Key": "sekret"}
+        )
         assert answer.json() == {"message": f"Added {late.host_port} to mixed_instances."}
         proxy.wait_routable("mixed", late.host_port)
         response = proxy.post("/v1/completions", json={"model": "late-model", "prompt": "x", "max_tokens": 1})
         assert response.headers["x-sim-node"] == late.host_port
-        proxy.post("/instances/remove", json={"type": "mixed", "instance": late.host_port},
-                   headers={"X-Api-Key": "sekret"})  # fmt: skip
+        proxy.post(
+            "/instances/remove", json={"type": "mixed", "instance": late.host_port}, headers={"X-Api-Key": "sekret"}
+        )
 
 
 def test_a_stream_that_goes_quiet_ends_with_an_sse_error_after_the_idle_timeout(module_logs: Path) -> None:
     with SimNode(module_logs, "slow-mixed", role="mixed", ttft=0.0, itl=2.0) as slow:
         # No resuming (tests/proxy/test_resume.py has that): the stream ends at the first timeout.
-        replica = ProxyProc(module_logs, "--mixed", slow.host_port, "--stream-idle-timeout", "0.5", "--max-resumes",
-                            "0", name="idle-proxy")  # fmt: skip
+        replica = ProxyProc(
+            module_logs,
+            "--mixed",
+            slow.host_port,
+            "--stream-idle-timeout",
+            "0.5",
+            "--max-resumes",
+            "0",
+            name="idle-proxy",
+        )
         try:
             replica.wait_routable("mixed", slow.host_port)
             body = {"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}

@@ -40,8 +40,17 @@ def nodes(logs: Path) -> Iterator[list[SimNode]]:
 
 @pytest.fixture(scope="module")
 def proxy(logs: Path, nodes: list[SimNode]) -> Iterator[ProxyProc]:
-    replica = ProxyProc(logs, "--mixed", *(n.host_port for n in nodes), "--policy", "round-robin",
-                        "--eject-after", "0", "--stream-idle-timeout", "1")  # fmt: skip
+    replica = ProxyProc(
+        logs,
+        "--mixed",
+        *(n.host_port for n in nodes),
+        "--policy",
+        "round-robin",
+        "--eject-after",
+        "0",
+        "--stream-idle-timeout",
+        "1",
+    )
     try:
         for node in nodes:
             replica.wait_routable("mixed", node.host_port)
@@ -57,8 +66,13 @@ def _healthy(nodes: list[SimNode]) -> None:
 
 
 def body(path: str, **extra: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"model": MODEL, "max_tokens": 24, "stream": True,
-                            "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+    base: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 24,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     if path == "/v1/chat/completions":
         return {**base, "messages": MESSAGES}
     return {**base, "prompt": PROMPT}
@@ -69,8 +83,17 @@ def read_stream(url: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
     with httpx.Client(timeout=30) as client:
         response = client.post(url + path, json=payload)
     assert response.status_code == 200, response.text
-    seen: dict[str, Any] = {"text": "", "ids": set(), "created": set(), "usage": None, "finish": None,
-                            "errors": [], "done": 0, "roles": 0, "token_ids": []}  # fmt: skip
+    seen: dict[str, Any] = {
+        "text": "",
+        "ids": set(),
+        "created": set(),
+        "usage": None,
+        "finish": None,
+        "errors": [],
+        "done": 0,
+        "roles": 0,
+        "token_ids": [],
+    }
     for event in response.content.split(b"\n\n"):
         if event == b"data: [DONE]":
             seen["done"] += 1
@@ -144,8 +167,9 @@ def test_a_node_that_hangs_mid_stream_is_resumed_after_the_idle_timeout(proxy: P
 
 def test_a_node_killed_mid_stream_is_resumed(logs: Path, nodes: list[SimNode]) -> None:
     victim = SimNode(logs, "resume-victim", role="mixed", itl=0.05, output_len=40).start()
-    replica = ProxyProc(logs, "--mixed", victim.host_port, nodes[1].host_port, "--policy", "round-robin",
-                        name="proxy-kill")  # fmt: skip
+    replica = ProxyProc(
+        logs, "--mixed", victim.host_port, nodes[1].host_port, "--policy", "round-robin", name="proxy-kill"
+    )
     try:
         replica.wait_routable("mixed", victim.host_port)
         replica.wait_routable("mixed", nodes[1].host_port)

@@ -38,10 +38,25 @@ def proxy(logs: Path, node: SimNode, tmp_path_factory: pytest.TempPathFactory) -
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text("# team b\nclient-key-b\n")
     replica = ProxyProc(
-        logs, "--mixed", node.host_port, "--api-key", "client-key-a", "--api-key-file", str(key_file),
-        "--backend-api-key", "node-secret", "--max-concurrent-requests", "2", "--max-body-bytes", "10000",
-        "--body-timeout", "1", "--admin-allow-cidr", "127.0.0.0/8", admin_key="adm",
-    )  # fmt: skip
+        logs,
+        "--mixed",
+        node.host_port,
+        "--api-key",
+        "client-key-a",
+        "--api-key-file",
+        str(key_file),
+        "--backend-api-key",
+        "node-secret",
+        "--max-concurrent-requests",
+        "2",
+        "--max-body-bytes",
+        "10000",
+        "--body-timeout",
+        "1",
+        "--admin-allow-cidr",
+        "127.0.0.0/8",
+        admin_key="adm",
+    )
     try:
         replica.wait_routable("mixed", node.host_port)
         yield replica
@@ -54,8 +69,12 @@ def auth(key: str) -> dict[str, str]:
 
 
 def test_client_key_is_required_on_every_openai_route(proxy: ProxyProc) -> None:
-    routes = [("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "x"}),
-              ("/v1/embeddings", {"model": MODEL, "input": "x"}), ("/tokenize", {"model": MODEL})]  # fmt: skip
+    routes = [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+        ("/v1/embeddings", {"model": MODEL, "input": "x"}),
+        ("/tokenize", {"model": MODEL}),
+    ]
     for path, body in routes:
         for headers in ({}, auth("wrong"), {"Authorization": "client-key-a"}):
             answer = proxy.post(path, json=body, headers=headers)
@@ -106,8 +125,10 @@ def test_a_64_mib_body_gets_a_readable_413_not_a_connection_reset(proxy: ProxyPr
 
 def test_a_client_sending_its_body_byte_by_byte_is_cut_off(proxy: ProxyProc) -> None:
     with socket.create_connection((HOST, proxy.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer client-key-a\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{")  # fmt: skip
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer client-key-a\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"
+        )
         started = time.monotonic()
         reply = sock.recv(4096)
         assert reply.startswith(b"HTTP/1.1 408"), reply
@@ -131,9 +152,19 @@ def test_requests_beyond_the_concurrency_limit_get_503_with_retry_after(proxy: P
 
 
 @pytest.mark.parametrize(
-    "instance", ["http://127.0.0.1:8000", "127.0.0.1:8000/path", "user@127.0.0.1:80", "127.0.0.1", "127.0.0.1:0",
-                 "127.0.0.1:70000", "[::1]", "a b:80", ""],
-)  # fmt: skip
+    "instance",
+    [
+        "http://127.0.0.1:8000",
+        "127.0.0.1:8000/path",
+        "user@127.0.0.1:80",
+        "127.0.0.1",
+        "127.0.0.1:0",
+        "127.0.0.1:70000",
+        "[::1]",
+        "a b:80",
+        "",
+    ],
+)
 def test_admin_add_refuses_anything_but_host_port(proxy: ProxyProc, instance: str) -> None:
     answer = proxy.post("/instances/add", json={"type": "decode", "instance": instance}, headers={"X-Api-Key": "adm"})
     assert answer.status_code == 400
@@ -142,16 +173,21 @@ def test_admin_add_refuses_anything_but_host_port(proxy: ProxyProc, instance: st
 
 def test_admin_add_outside_the_allowed_networks_is_forbidden(proxy: ProxyProc) -> None:
     # The address is only parsed: refused before the node is added, so nothing ever contacts it.
-    answer = proxy.post("/instances/add", json={"type": "decode", "instance": "10.1.2.3:8000"},
-                        headers={"X-Api-Key": "adm"})  # fmt: skip
+    answer = proxy.post(
+        "/instances/add", json={"type": "decode", "instance": "10.1.2.3:8000"}, headers={"X-Api-Key": "adm"}
+    )
     assert answer.status_code == 403
     assert "10.1.2.3:8000" not in proxy.status()["decode_nodes"]
 
 
 def test_admin_key_is_not_a_client_key(proxy: ProxyProc) -> None:
     assert proxy.post("/v1/chat/completions", json=CHAT, headers=auth("adm")).status_code == 401
-    assert proxy.post("/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"},
-                      headers=auth("client-key-a")).status_code == 401  # fmt: skip
+    assert (
+        proxy.post(
+            "/instances/add", json={"type": "decode", "instance": "127.0.0.1:9"}, headers=auth("client-key-a")
+        ).status_code
+        == 401
+    )
 
 
 def test_oversized_headers_get_a_431_and_the_replica_keeps_serving(proxy: ProxyProc) -> None:

@@ -44,8 +44,12 @@ def test_an_etcd_key_is_named_by_the_digest_and_holds_json() -> None:
     name = hashlib.sha256(b"sk-3").hexdigest()
     assert parse_value(name, b'{"tenant": "t", "rpm": 5, "extra": 1}')[1] == Limits(tenant="t", rpm=5)
     assert parse_value(name, b"")[1].tenant.startswith("key-")
-    for bad_name, value, reason in (("sk-3", b"{}", "SHA-256"), (name, b"[1]", "not a JSON object"),
-                                    (name, b"{", "not JSON"), (name, b'{"rpm": true}', "integer")):  # fmt: skip
+    for bad_name, value, reason in (
+        ("sk-3", b"{}", "SHA-256"),
+        (name, b"[1]", "not a JSON object"),
+        (name, b"{", "not JSON"),
+        (name, b'{"rpm": true}', "integer"),
+    ):
         with pytest.raises(InvalidKey, match=reason):
             parse_value(bad_name, value)
 
@@ -104,8 +108,15 @@ async def test_the_queue_serves_higher_priority_first_then_tenants_by_share() ->
         served.append(name)
         pool.request_started(node)  # as the forwarder does when the request goes out
 
-    order = [("b1", "big", 1), ("b2", "big", 1), ("b3", "big", 1), ("b4", "big", 1), ("s1", "small", 1),
-             ("s2", "small", 1), ("urgent", "small", 0)]  # fmt: skip
+    order = [
+        ("b1", "big", 1),
+        ("b2", "big", 1),
+        ("b3", "big", 1),
+        ("b4", "big", 1),
+        ("s1", "small", 1),
+        ("s2", "small", 1),
+        ("urgent", "small", 0),
+    ]
     tasks = [asyncio.create_task(request(*args)) for args in order]
     while queue.depth("m") < len(order):
         await asyncio.sleep(0)

@@ -83,8 +83,20 @@ def replicas(logs: Path, node: SimNode, etcd_server: EtcdServer, key_file: Path)
     started: list[ProxyProc] = []
     try:
         for name in ("replica-a", "replica-b"):
-            started.append(ProxyProc(logs, "--etcd", etcd_server.endpoint, "--mixed", node.host_port, "--model",
-                                     MODEL, "--api-key-file", str(key_file), name=name))  # fmt: skip
+            started.append(
+                ProxyProc(
+                    logs,
+                    "--etcd",
+                    etcd_server.endpoint,
+                    "--mixed",
+                    node.host_port,
+                    "--model",
+                    MODEL,
+                    "--api-key-file",
+                    str(key_file),
+                    name=name,
+                )
+            )
         for replica in started:
             replica.wait_routable("mixed", node.host_port)
             wait_until(lambda r=replica: metric(r, "vllm_proxy_limit_replicas") == 2, 15, "both replicas counted")
@@ -118,12 +130,18 @@ def test_tokens_are_charged_from_the_nodes_usage_and_tpm_refuses_once_spent(repl
     statuses, used, largest = [], 0, 0
     started = time.monotonic()
     for _ in range(6):
-        answer = replica.post("/v1/chat/completions", headers=auth("tpm-key"),
-                              json=chat(30, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+        answer = replica.post(
+            "/v1/chat/completions",
+            headers=auth("tpm-key"),
+            json=chat(30, stream=True, stream_options={"include_usage": True}),
+        )
         statuses.append(answer.status_code)
         if answer.status_code == 200:
-            usage = [json.loads(line[6:]) for line in answer.text.splitlines()
-                     if line.startswith("data: {") and '"usage"' in line][-1]["usage"]  # fmt: skip
+            usage = [
+                json.loads(line[6:])
+                for line in answer.text.splitlines()
+                if line.startswith("data: {") and '"usage"' in line
+            ][-1]["usage"]
             tokens = usage["prompt_tokens"] + usage["completion_tokens"]
             used, largest = used + tokens, max(largest, tokens)
         else:
@@ -144,8 +162,9 @@ def test_a_key_at_its_concurrency_share_gets_429_until_its_request_ends(replicas
     results: list[int] = []
 
     def long_stream() -> None:
-        with httpx.stream("POST", f"{a.url}/v1/chat/completions", json=chat(400, stream=True),
-                          headers=auth("conc-key"), timeout=30) as answer:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{a.url}/v1/chat/completions", json=chat(400, stream=True), headers=auth("conc-key"), timeout=30
+        ) as answer:
             for _ in answer.iter_lines():
                 holding.set()
             results.append(answer.status_code)
@@ -173,15 +192,21 @@ def test_bad_key_lines_are_skipped_and_counted_and_bare_keys_still_work(replicas
     assert "bare-key" not in replica.proc.log() and "rpm-key" not in replica.proc.log()
 
 
-def test_sighup_reloads_the_key_file_without_dropping_a_request_in_flight(replicas: list[ProxyProc],
-                                                                         key_file: Path) -> None:  # fmt: skip
+def test_sighup_reloads_the_key_file_without_dropping_a_request_in_flight(
+    replicas: list[ProxyProc], key_file: Path
+) -> None:
     replica = replicas[1]
     results: list[tuple[int, str]] = []
     streaming = threading.Event()
 
     def stream() -> None:
-        with httpx.stream("POST", f"{replica.url}/v1/chat/completions", json=chat(900, stream=True),
-                          headers=auth("reload-key"), timeout=30) as answer:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            f"{replica.url}/v1/chat/completions",
+            json=chat(900, stream=True),
+            headers=auth("reload-key"),
+            timeout=30,
+        ) as answer:
             lines = []
             for line in answer.iter_lines():
                 streaming.set()
@@ -196,8 +221,11 @@ def test_sighup_reloads_the_key_file_without_dropping_a_request_in_flight(replic
         key_file.write_text(KEYS.replace("reload-key tenant=reload-team rpm=1000", "new-key tenant=new-team rpm=5"))
         reloads = metric(replica, "vllm_proxy_key_file_reloads_total", outcome="ok")
         os.kill(replica.proc.popen.pid, signal.SIGHUP)
-        wait_until(lambda: metric(replica, "vllm_proxy_key_file_reloads_total", outcome="ok") == reloads + 1, 10,
-                   "the key file reloaded")  # fmt: skip
+        wait_until(
+            lambda: metric(replica, "vllm_proxy_key_file_reloads_total", outcome="ok") == reloads + 1,
+            10,
+            "the key file reloaded",
+        )
         assert replica.post("/v1/chat/completions", json=chat(), headers=auth("new-key")).status_code == 200
         assert replica.post("/v1/chat/completions", json=chat(), headers=auth("reload-key")).status_code == 401
         assert thread.is_alive(), "the stream should still be going"
@@ -207,8 +235,9 @@ def test_sighup_reloads_the_key_file_without_dropping_a_request_in_flight(replic
     assert replica.proc.alive()
 
 
-def test_a_key_put_in_etcd_applies_on_every_replica_without_a_restart(replicas: list[ProxyProc],
-                                                                     etcd_server: EtcdServer) -> None:  # fmt: skip
+def test_a_key_put_in_etcd_applies_on_every_replica_without_a_restart(
+    replicas: list[ProxyProc], etcd_server: EtcdServer
+) -> None:
     digest = hashlib.sha256(b"etcd-key").hexdigest()
     key = f"/vllm/default/keys/{digest}"
     etcd_server.etcdctl("put", key, json.dumps({"tenant": "etcd-team", "rpm": 2}))
@@ -226,15 +255,23 @@ def test_a_key_put_in_etcd_applies_on_every_replica_without_a_restart(replicas: 
     streaming = threading.Event()
 
     def stream() -> None:
-        with httpx.stream("POST", f"{replicas[1].url}/v1/chat/completions", json=chat(900, stream=True),
-                          headers=auth("etcd-key"), timeout=30) as answer:  # fmt: skip
+        with httpx.stream(
+            "POST",
+            f"{replicas[1].url}/v1/chat/completions",
+            json=chat(900, stream=True),
+            headers=auth("etcd-key"),
+            timeout=30,
+        ) as answer:
             for _ in answer.iter_lines():
                 streaming.set()
             results.append(answer.status_code)
 
     etcd_server.etcdctl("put", key, json.dumps({"tenant": "etcd-team", "concurrency": 4}))
-    wait_until(lambda: replicas[1].post("/v1/chat/completions", json=chat(),
-                                        headers=auth("etcd-key")).status_code == 200, 10, "the new limit")  # fmt: skip
+    wait_until(
+        lambda: replicas[1].post("/v1/chat/completions", json=chat(), headers=auth("etcd-key")).status_code == 200,
+        10,
+        "the new limit",
+    )
     thread = threading.Thread(target=stream)
     thread.start()
     assert streaming.wait(10)
@@ -253,8 +290,18 @@ def test_a_key_put_in_etcd_applies_on_every_replica_without_a_restart(replicas: 
 def test_a_replica_that_joins_or_leaves_changes_every_replicas_share(
     replicas: list[ProxyProc], logs: Path, node: SimNode, etcd_server: EtcdServer
 ) -> None:
-    third = ProxyProc(logs, "--etcd", etcd_server.endpoint, "--mixed", node.host_port, "--model", MODEL,
-                      "--api-key", "k", name="replica-c")  # fmt: skip
+    third = ProxyProc(
+        logs,
+        "--etcd",
+        etcd_server.endpoint,
+        "--mixed",
+        node.host_port,
+        "--model",
+        MODEL,
+        "--api-key",
+        "k",
+        name="replica-c",
+    )
     try:
         for replica in (*replicas, third):
             wait_until(lambda r=replica: metric(r, "vllm_proxy_limit_replicas") == 3, 15, "three replicas counted")

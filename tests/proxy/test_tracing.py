@@ -23,8 +23,13 @@ CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # milliseconds between the SDK's batch exports
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "tell me about the sea"}], "max_tokens": 12,
-        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "tell me about the sea"}],
+    "max_tokens": 12,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 @pytest.fixture
@@ -55,8 +60,16 @@ def test_a_disaggregated_stream_is_one_trace_with_a_prefill_and_a_decode_child_e
     logs_dir: Path, receiver: OtlpReceiver
 ) -> None:
     with SimNode(logs_dir, "prefill", role="prefill") as prefill, SimNode(logs_dir, "decode", role="decode") as decode:
-        proxy = ProxyProc(logs_dir, "--prefill", prefill.host_port, "--decode", decode.host_port,
-                          "--otlp-traces-endpoint", receiver.endpoint, env=FAST_EXPORT)  # fmt: skip
+        proxy = ProxyProc(
+            logs_dir,
+            "--prefill",
+            prefill.host_port,
+            "--decode",
+            decode.host_port,
+            "--otlp-traces-endpoint",
+            receiver.endpoint,
+            env=FAST_EXPORT,
+        )
         try:
             proxy.wait_routable("decode", decode.host_port)
             proxy.wait_routable("prefill", prefill.host_port)
@@ -93,8 +106,18 @@ def test_a_resumed_stream_shows_the_broken_leg_and_the_resume(logs_dir: Path, re
     for node in nodes:
         node.start()
     nodes[0].configure(fail_after_tokens=4)
-    proxy = ProxyProc(logs_dir, "--mixed", *(n.host_port for n in nodes), "--policy", "round-robin",
-                      "--eject-after", "0", "--otlp-traces-endpoint", receiver.endpoint, env=FAST_EXPORT)  # fmt: skip
+    proxy = ProxyProc(
+        logs_dir,
+        "--mixed",
+        *(n.host_port for n in nodes),
+        "--policy",
+        "round-robin",
+        "--eject-after",
+        "0",
+        "--otlp-traces-endpoint",
+        receiver.endpoint,
+        env=FAST_EXPORT,
+    )
     try:
         for node in nodes:
             proxy.wait_routable("mixed", node.host_port)
@@ -112,7 +135,9 @@ def test_a_resumed_stream_shows_the_broken_leg_and_the_resume(logs_dir: Path, re
     assert request.attributes["vllm_proxy.resumes"] == 1
     legs = sorted((s for s in trace if s.parent_id == request.span_id), key=lambda s: s.attributes["vllm_proxy.resume"])
     assert [(s.attributes["vllm_proxy.node"], s.attributes["vllm_proxy.outcome"]) for s in legs] == [
-        (nodes[0].host_port, "broken"), (nodes[1].host_port, "ok")]  # fmt: skip
+        (nodes[0].host_port, "broken"),
+        (nodes[1].host_port, "ok"),
+    ]
     assert legs[0].error and not legs[1].error
     assert parent_named(continued["traceparent"]) == (request.trace_id, legs[1].span_id)
 
@@ -139,24 +164,37 @@ def test_tracing_without_the_otel_extra_is_refused_at_start_with_what_to_install
     dead = DeadPort()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "vllm_etcd_proxy.proxy", "--mixed", f"127.0.0.1:{dead.port}",
-             "--otlp-traces-endpoint", "http://127.0.0.1:4318"], capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "vllm_etcd_proxy.proxy",
+                "--mixed",
+                f"127.0.0.1:{dead.port}",
+                "--otlp-traces-endpoint",
+                "http://127.0.0.1:4318",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
             env={**os.environ, "PYTHONPATH": str(blocked.parent)},
-        )  # fmt: skip
+        )
     finally:
         dead.close()
     assert done.returncode == 2
     assert "pip install 'vllm-etcd-proxy[otel]'" in done.stderr
 
 
-@pytest.mark.parametrize(("flag", "environ", "expected"), [
-    (None, {}, None),
-    ("http://collector:4318", {}, "http://collector:4318/v1/traces"),
-    ("collector:4318/", {}, "http://collector:4318/v1/traces"),
-    ("https://collector/otlp/v1/traces", {}, "https://collector/otlp/v1/traces"),
-    (None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, "http://c:4318/v1/traces"),
-    ("http://flag:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://env:4318"}, "http://flag:4318/v1/traces"),
-    ("http://collector:4318", {"OTEL_SDK_DISABLED": "true"}, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flag", "environ", "expected"),
+    [
+        (None, {}, None),
+        ("http://collector:4318", {}, "http://collector:4318/v1/traces"),
+        ("collector:4318/", {}, "http://collector:4318/v1/traces"),
+        ("https://collector/otlp/v1/traces", {}, "https://collector/otlp/v1/traces"),
+        (None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, "http://c:4318/v1/traces"),
+        ("http://flag:4318", {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://env:4318"}, "http://flag:4318/v1/traces"),
+        ("http://collector:4318", {"OTEL_SDK_DISABLED": "true"}, None),
+    ],
+)
 def test_where_traces_go(flag: str | None, environ: dict[str, str], expected: str | None) -> None:
     assert traces_endpoint(flag, environ) == expected

@@ -39,8 +39,13 @@ class Node:
                     return
                 self.first_reads.append(data)
                 head, _, body = data.partition(b"\r\n\r\n")
-                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length")))  # fmt: skip
+                length = int(
+                    next(
+                        line.split(b":")[1]
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    )
+                )
                 while len(body) < length:
                     body += await reader.read(65536)
                 if not await self.handler(reader, writer, head):
@@ -82,8 +87,14 @@ def ok(body: bytes = b"hello", extra: bytes = b"") -> Handler:
 
 
 def request(node: Node, *, timeout: float = 5.0, idle: float = 5.0) -> UpstreamRequest:
-    return UpstreamRequest(origin=node.origin, path=b"/v1/completions", head=b"x-request-id: r1\r\n",
-                           body=b'{"model": "m"}', timeout=timeout, idle_timeout=idle)  # fmt: skip
+    return UpstreamRequest(
+        origin=node.origin,
+        path=b"/v1/completions",
+        head=b"x-request-id: r1\r\n",
+        body=b'{"model": "m"}',
+        timeout=timeout,
+        idle_timeout=idle,
+    )
 
 
 async def read_all(transport: HttpTransport, req: UpstreamRequest) -> tuple[int, bytes]:
@@ -101,8 +112,10 @@ async def test_sequential_requests_reuse_one_connection_and_each_goes_out_in_one
         for _ in range(5):
             assert await read_all(transport, request(node)) == (200, b"hello")
         assert node.connections == 1
-        assert all(read.endswith(b'{"model": "m"}') and read.startswith(b"POST /v1/completions HTTP/1.1\r\n")
-                   for read in node.first_reads)  # fmt: skip
+        assert all(
+            read.endswith(b'{"model": "m"}') and read.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+            for read in node.first_reads
+        )
         transport.close()
 
 

@@ -28,8 +28,9 @@ def module_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def nodes(module_logs: Path) -> Iterator[list[SimNode]]:
-    started = [SimNode(module_logs, f"node-{i}", role="mixed", lora=ADAPTER, max_model_len=8192 - 1024 * i)
-               for i in range(2)]  # fmt: skip
+    started = [
+        SimNode(module_logs, f"node-{i}", role="mixed", lora=ADAPTER, max_model_len=8192 - 1024 * i) for i in range(2)
+    ]
     try:
         for node in started:
             node.start()
@@ -86,8 +87,9 @@ def test_a_multipart_audio_upload_reaches_a_node_byte_for_byte(
         data = {"response_format": "json", "stream": "true" if stream else "false", "model": MODEL}
         upload = httpx.Request("POST", replica.url + route, files=files, data=data)
         raw = upload.read()
-        answer = httpx.post(replica.url + route, content=raw, headers={"content-type": upload.headers["content-type"]},
-                            timeout=30)  # fmt: skip
+        answer = httpx.post(
+            replica.url + route, content=raw, headers={"content-type": upload.headers["content-type"]}, timeout=30
+        )
         assert answer.status_code == 200, answer.text
         if stream:
             assert answer.headers["content-type"].startswith("text/event-stream")
@@ -100,8 +102,12 @@ def test_a_multipart_audio_upload_reaches_a_node_byte_for_byte(
 
 
 def test_an_upload_for_a_model_no_node_serves_is_a_404_naming_the_known_ones(replicas: list[ProxyProc]) -> None:
-    answer = httpx.post(replicas[0].url + "/v1/audio/transcriptions", files={"file": ("a.wav", b"RIFF")},
-                        data={"model": "whisper-nope"}, timeout=10)  # fmt: skip
+    answer = httpx.post(
+        replicas[0].url + "/v1/audio/transcriptions",
+        files={"file": ("a.wav", b"RIFF")},
+        data={"model": "whisper-nope"},
+        timeout=10,
+    )
     assert answer.status_code == 404 and MODEL in answer.json()["error"]["message"]
 
 
@@ -142,8 +148,9 @@ def test_get_cancel_and_delete_by_id_work_from_either_replica(replicas: list[Pro
     assert replicas[0].get(f"/v1/responses/{response_id}").status_code == 404
 
 
-def test_background_responses_are_polled_and_cancelled_through_any_replica(replicas: list[ProxyProc],
-                                                                           nodes: list[SimNode]) -> None:  # fmt: skip
+def test_background_responses_are_polled_and_cancelled_through_any_replica(
+    replicas: list[ProxyProc], nodes: list[SimNode]
+) -> None:
     body = {"model": MODEL, "input": "write a poem", "background": True, "max_output_tokens": 6}
     queued = replicas[0].post("/v1/responses", json=body)
     assert queued.status_code == 200 and queued.json()["status"] in ("queued", "in_progress")
@@ -167,12 +174,16 @@ def test_a_response_whose_node_left_the_fleet_is_a_404_that_says_so(module_logs:
             replica.wait_routable("mixed", node.host_port)
             made = replica.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2})
             response_id = made.json()["id"]
-            removed = replica.post("/instances/remove", json={"type": "mixed", "instance": node.host_port},
-                                   headers={"X-Api-Key": "adm"})  # fmt: skip
+            removed = replica.post(
+                "/instances/remove", json={"type": "mixed", "instance": node.host_port}, headers={"X-Api-Key": "adm"}
+            )
             assert removed.status_code == 200
-            for answer in (replica.get(f"/v1/responses/{response_id}"),
-                           replica.post("/v1/responses", json={"model": MODEL, "input": "again",
-                                                               "previous_response_id": response_id})):  # fmt: skip
+            for answer in (
+                replica.get(f"/v1/responses/{response_id}"),
+                replica.post(
+                    "/v1/responses", json={"model": MODEL, "input": "again", "previous_response_id": response_id}
+                ),
+            ):
                 assert answer.status_code == 404
                 assert "left the fleet" in answer.json()["error"]["message"]
         finally:
@@ -209,12 +220,11 @@ ROUTES = [
     ("POST", "/v1/embeddings", {"model": MODEL, "input": "hello"}),
     ("POST", "/pooling", {"model": MODEL, "input": "hello"}),
     ("POST", "/classify", {"model": MODEL, "input": "hello"}),
-    ("POST", "/inference/v1/generate", {"model": MODEL, "token_ids": [1, 2, 3],
-                                        "sampling_params": {"max_tokens": 3}}),
+    ("POST", "/inference/v1/generate", {"model": MODEL, "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}),
     ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
     ("GET", "/version", None),
     ("GET", "/tokenizer_info", None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
@@ -242,11 +252,18 @@ def test_the_model_may_come_from_the_query_string(replicas: list[ProxyProc]) -> 
 
 
 def test_routing_fields_and_headers_pass_unchanged(replicas: list[ProxyProc], nodes: list[SimNode]) -> None:
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "priority": 3, "session_id": "s-1",
-            "cache_salt": "tenant-a"}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "hello",
+        "max_tokens": 2,
+        "priority": 3,
+        "session_id": "s-1",
+        "cache_salt": "tenant-a",
+    }
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    answer = replicas[0].post("/v1/completions", json=body,
-                              headers={"X-data-parallel-rank": "1", "traceparent": traceparent})  # fmt: skip
+    answer = replicas[0].post(
+        "/v1/completions", json=body, headers={"X-data-parallel-rank": "1", "traceparent": traceparent}
+    )
     assert answer.status_code == 200
     seen = owner(nodes, answer).requests()[-1]
     assert (seen["priority"], seen["session_id"], seen["cache_salt"]) == (3, "s-1", "tenant-a")
@@ -256,8 +273,19 @@ def test_routing_fields_and_headers_pass_unchanged(replicas: list[ProxyProc], no
 # ---- node-admin routes ----
 
 
-@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/sleep", "/wake_up",
-                                  "/reset_prefix_cache", "/start_profile", "/stop_profile", "/is_sleeping"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/sleep",
+        "/wake_up",
+        "/reset_prefix_cache",
+        "/start_profile",
+        "/stop_profile",
+        "/is_sleeping",
+    ],
+)
 def test_node_admin_routes_are_refused_and_reach_no_node(
     replicas: list[ProxyProc], nodes: list[SimNode], path: str
 ) -> None:
@@ -290,8 +318,7 @@ def test_a_sleeping_node_gets_nothing_until_it_wakes(replicas: list[ProxyProc], 
         wait_until(lambda r=replica: not seen_asleep(r), 10, "the replica to see the node awake")
 
 
-def test_a_node_answering_503_while_scaling_loses_no_request(replicas: list[ProxyProc],
-                                                              nodes: list[SimNode]) -> None:  # fmt: skip
+def test_a_node_answering_503_while_scaling_loses_no_request(replicas: list[ProxyProc], nodes: list[SimNode]) -> None:
     scaling, steady = nodes
     scaling.configure(scaling=True)
     started = time.monotonic()
@@ -307,8 +334,9 @@ def test_a_node_answering_503_while_scaling_loses_no_request(replicas: list[Prox
 
 
 def test_errors_the_proxy_makes_on_v1_messages_use_anthropics_envelope(replicas: list[ProxyProc]) -> None:
-    answer = replicas[0].post("/v1/messages", json={"model": "claude-nope", "max_tokens": 4,
-                                                    "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    answer = replicas[0].post(
+        "/v1/messages", json={"model": "claude-nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    )
     assert answer.status_code == 404
     body = answer.json()
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error"

@@ -83,8 +83,9 @@ async def transcribe(ws: ClientConnection) -> dict[str, Any]:
 
 
 async def session_record(node: SimNode, request_id: str, **match: Any) -> dict[str, Any]:
-    return await asyncio.to_thread(node.wait_for_request, 10.0, request_id=request_id, method="WEBSOCKET",
-                                   path="/v1/realtime", **match)  # fmt: skip
+    return await asyncio.to_thread(
+        node.wait_for_request, 10.0, request_id=request_id, method="WEBSOCKET", path="/v1/realtime", **match
+    )
 
 
 def metric(proxy: ProxyProc, name: str, **labels: str) -> float:
@@ -147,8 +148,9 @@ async def test_the_responses_websocket_mode_goes_to_the_node_of_the_first_events
         while (event := await receive(ws))["type"] != "response.completed":
             assert event["type"] != "error", event
         assert event["response"]["model"] == "rt-b"
-    record = await asyncio.to_thread(nodes["rt-b"].wait_for_request, 10.0, request_id="rt-responses",
-                                     path="/v1/responses", state="closed")  # fmt: skip
+    record = await asyncio.to_thread(
+        nodes["rt-b"].wait_for_request, 10.0, request_id="rt-responses", path="/v1/responses", state="closed"
+    )
     assert record["detail"]["events"] == ["response.create"]
 
 
@@ -216,8 +218,11 @@ async def test_metrics_count_open_and_ended_sessions(proxy: ProxyProc) -> None:
     with pytest.raises(InvalidStatus):
         async with connect(ws_url(proxy, "?model=rt-a")):
             pass
-    await eventually(lambda: metric(proxy, "vllm_proxy_websocket_sessions_total", outcome="client_closed",
-                                    **labels) == before + 1, 10, "the closed session counted")  # fmt: skip
+    await eventually(
+        lambda: metric(proxy, "vllm_proxy_websocket_sessions_total", outcome="client_closed", **labels) == before + 1,
+        10,
+        "the closed session counted",
+    )
     assert metric(proxy, "vllm_proxy_websocket_sessions_open", **labels) == 0
     assert metric(proxy, "vllm_proxy_websocket_sessions_total", outcome="unauthorized", **labels) == refused + 1
     assert [w["in_flight"] for w in proxy.workers()] == [0, 0]
@@ -269,8 +274,9 @@ async def test_a_node_killed_mid_session_closes_the_client_with_1011(logs_dir: P
                 with pytest.raises(ConnectionClosed) as caught:
                     await asyncio.wait_for(ws.recv(), 10.0)
             assert caught.value.rcvd is not None and caught.value.rcvd.code == 1011
-            assert metric(replica, "vllm_proxy_websocket_sessions_total", route="/v1/realtime",
-                          outcome="node_lost") == 1  # fmt: skip
+            assert (
+                metric(replica, "vllm_proxy_websocket_sessions_total", route="/v1/realtime", outcome="node_lost") == 1
+            )
         finally:
             replica.stop()
 
@@ -303,6 +309,7 @@ class EchoNode:
 @pytest.fixture
 async def echo() -> AsyncIterator[EchoNode]:
     node = EchoNode()
+
     def select(connection: ServerConnection, offered: Sequence[Subprotocol]) -> Subprotocol | None:
         return Subprotocol("echo.v1") if "echo.v1" in offered else None
 
@@ -322,8 +329,9 @@ async def test_binary_stays_binary_and_text_stays_text_on_any_route(
     logs_dir: Path, echo: EchoNode, dead_port: DeadPort
 ) -> None:
     # A dead node beside the live one: a session that picks it goes to the other before the client is accepted.
-    replica = await asyncio.to_thread(ProxyProc, logs_dir, "--mixed", f"{HOST}:{echo.port}", "--mixed",
-                                      f"{HOST}:{dead_port.port}", "--model", "echo")  # fmt: skip
+    replica = await asyncio.to_thread(
+        ProxyProc, logs_dir, "--mixed", f"{HOST}:{echo.port}", "--mixed", f"{HOST}:{dead_port.port}", "--model", "echo"
+    )
     try:
         url = replica.url.replace("http://", "ws://") + "/v1/some/socket?x=1"
         for _ in range(3):
@@ -335,8 +343,16 @@ async def test_binary_stays_binary_and_text_stays_text_on_any_route(
                 await ws.close(4004, "client reason")
         await eventually(lambda: len(echo.closes) == 3, 10, "three closes at the echo node")
         assert echo.closes == [(4004, "client reason")] * 3 and echo.paths == ["/v1/some/socket?x=1"] * 3
-        assert metric(replica, "vllm_proxy_upstream_requests_total", role="mixed", node=f"{HOST}:{dead_port.port}",
-                      outcome="connect_error") >= 1  # fmt: skip
+        assert (
+            metric(
+                replica,
+                "vllm_proxy_upstream_requests_total",
+                role="mixed",
+                node=f"{HOST}:{dead_port.port}",
+                outcome="connect_error",
+            )
+            >= 1
+        )
         async with connect(url, subprotocols=[Subprotocol("other"), Subprotocol("echo.v1")]) as ws:
             assert ws.subprotocol == "echo.v1"  # the node's choice among the client's
             await ws.send("close please")

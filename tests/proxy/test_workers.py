@@ -56,8 +56,10 @@ def _children(pid: int) -> set[int]:
 
 
 def _requests_total(metrics: str) -> float:
-    return sum(float(m) for m in re.findall(r'^vllm_proxy_requests_total\{[^}]*status="200"[^}]*\} (\S+)$',
-                                            metrics, re.MULTILINE))  # fmt: skip
+    return sum(
+        float(m)
+        for m in re.findall(r'^vllm_proxy_requests_total\{[^}]*status="200"[^}]*\} (\S+)$', metrics, re.MULTILINE)
+    )
 
 
 def _fresh(url: str, path: str) -> httpx.Response:
@@ -89,8 +91,11 @@ def test_a_worker_that_dies_is_replaced_and_the_port_keeps_serving(replica: Prox
     first = _children(replica.proc.popen.pid)
     victim = min(first)
     os.kill(victim, signal.SIGKILL)
-    wait_until(lambda: victim not in _children(replica.proc.popen.pid) and len(_children(replica.proc.popen.pid)) == 2,
-               20, "a new worker in place of the killed one")  # fmt: skip
+    wait_until(
+        lambda: victim not in _children(replica.proc.popen.pid) and len(_children(replica.proc.popen.pid)) == 2,
+        20,
+        "a new worker in place of the killed one",
+    )
     wait_until(lambda: all(_fresh(replica.url, "/ready").status_code == 200 for _ in range(8)), 20, "ready again")
     for _ in range(10):
         with httpx.Client(timeout=10) as client:

@@ -140,8 +140,7 @@ def test_kv_event_endpoints_go_into_the_record_with_a_wildcard_host_named(
     node = sims()
     registrars(node.url, "--kv-events", "tcp://*:5557", "--kv-events-replay", f"tcp://{HOST}:5558")
     entry = wait_for_key(etcd, decode_key(node.host_port))
-    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:5557",
-                                                                              f"tcp://{HOST}:5558")  # fmt: skip
+    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:5557", f"tcp://{HOST}:5558")
 
 
 def test_key_expires_with_its_lease_after_the_registrar_is_killed(
@@ -325,13 +324,22 @@ def test_wrapper_mode_reads_the_kv_event_endpoints_from_the_childs_kv_events_con
     etcd: EtcdServer, registrars: StartRegistrar
 ) -> None:
     port, events, replay = free_port(), free_port(), free_port()
-    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}",
-                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})  # fmt: skip
+    config = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events}",
+            "replay_endpoint": f"tcp://*:{replay}",
+            "topic": "kv",
+        }
+    )
     child = python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port), "--kv-events-config", config)
     registrars(f"http://{HOST}:{port}", command=tuple(child))
     entry = wait_for_key(etcd, decode_key(f"{HOST}:{port}"), timeout=20)
-    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:{events}",
-                                                                              f"tcp://{HOST}:{replay}")  # fmt: skip
+    assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (
+        f"tcp://{HOST}:{events}",
+        f"tcp://{HOST}:{replay}",
+    )
 
 
 def test_child_exiting_on_its_own_is_deregistered_at_once_and_its_code_passed_on(

@@ -34,9 +34,11 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 async def post(client: httpx.AsyncClient, node: SimNode, path: str, rid: str, **fields: str) -> httpx.Response:
     return await client.post(
-        f"{node.url}/v1/audio/{path}", files={"file": ("speech.wav", AUDIO, "audio/wav")},
-        data={"model": MODEL, **fields}, headers={"x-request-id": rid},
-    )  # fmt: skip
+        f"{node.url}/v1/audio/{path}",
+        files={"file": ("speech.wav", AUDIO, "audio/wav")},
+        data={"model": MODEL, **fields},
+        headers={"x-request-id": rid},
+    )
 
 
 def chunks(text: str) -> list[Any]:
@@ -51,8 +53,10 @@ async def test_a_transcription_upload_arrives_intact_and_is_recorded(node: SimNo
     assert re.fullmatch(r"( tok\d+)+", body["text"]) and body["usage"] == {"type": "duration", "seconds": 4}
     record = node.wait_for_request(request_id="t1")
     assert (record["upload_sha256"], record["upload_size"], record["upload_filename"]) == (
-        hashlib.sha256(AUDIO).hexdigest(), len(AUDIO), "speech.wav",
-    )  # fmt: skip
+        hashlib.sha256(AUDIO).hexdigest(),
+        len(AUDIO),
+        "speech.wav",
+    )
     assert (record["model"], record["detail"]["form"]["language"], record["id"]) == (MODEL, "en", "transcribe-t1")
     assert record["content_type"].startswith("multipart/form-data; boundary=")
 
@@ -88,8 +92,9 @@ async def test_text_response_format_is_plain_text(node: SimNode, client: httpx.A
 
 
 async def test_audio_routes_refuse_what_vllm_refuses(node: SimNode, client: httpx.AsyncClient) -> None:
-    unknown = await client.post(f"{node.url}/v1/audio/transcriptions", files={"file": ("a.wav", AUDIO)},
-                                data={"model": "nope"})  # fmt: skip
+    unknown = await client.post(
+        f"{node.url}/v1/audio/transcriptions", files={"file": ("a.wav", AUDIO)}, data={"model": "nope"}
+    )
     assert (unknown.status_code, unknown.json()["error"]["param"]) == (404, "model")
     as_json = await client.post(f"{node.url}/v1/audio/transcriptions", json={"model": MODEL})
     assert as_json.status_code == 400

@@ -15,8 +15,14 @@ import pytest
 from tests.support.sim_node import SimNode
 
 MODEL = "sim-model"
-PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-              "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +49,9 @@ def metric(node: SimNode, name: str) -> float:
 
 async def complete(client: httpx.AsyncClient, node: SimNode, rid: str, **body: Any) -> dict[str, Any]:
     """One request; returns the node's record of it."""
-    response = await client.post(f"{node.url}/v1/completions", json={"model": MODEL, "max_tokens": 1, **body},
-                                 headers={"X-Request-Id": rid})  # fmt: skip
+    response = await client.post(
+        f"{node.url}/v1/completions", json={"model": MODEL, "max_tokens": 1, **body}, headers={"X-Request-Id": rid}
+    )
     assert response.status_code == 200, response.text
     return await asyncio.to_thread(node.wait_for_request, request_id=rid, state="done")
 
@@ -70,14 +77,26 @@ async def test_the_next_chat_turn_hits_the_blocks_the_previous_answer_completed(
 ) -> None:
     with SimNode(logs) as node:
         turn = [{"role": "user", "content": words("chat", 30)}]
-        first = (await client.post(f"{node.url}/v1/chat/completions", json={
-            "model": MODEL, "messages": turn, "return_token_ids": True,
-        })).json()  # fmt: skip
+        first = (
+            await client.post(
+                f"{node.url}/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": turn,
+                    "return_token_ids": True,
+                },
+            )
+        ).json()
         prompt, answer = first["prompt_token_ids"], first["choices"][0]["token_ids"]
-        turn += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "and then"}]  # fmt: skip
-        second = await client.post(f"{node.url}/v1/chat/completions", json={"model": MODEL, "messages": turn},
-                                   headers={"X-Request-Id": "turn2"})  # fmt: skip
+        turn += [
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "and then"},
+        ]
+        second = await client.post(
+            f"{node.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": turn},
+            headers={"X-Request-Id": "turn2"},
+        )
         assert second.status_code == 200
         computed = len(prompt) + len(answer) - 1  # the last token of an answer never had its KV computed
         assert computed // 16 > (len(prompt) - 1) // 16, "the answer must complete a block for this test"
@@ -100,16 +119,26 @@ async def test_time_to_first_token_grows_with_the_uncached_prompt(logs: Path, cl
 
 async def test_kv_cache_usage_counts_the_blocks_of_running_requests(logs: Path, client: httpx.AsyncClient) -> None:
     with SimNode(logs, cache_blocks=30, ttft=30.0) as node:
-        call = asyncio.create_task(client.post(f"{node.url}/v1/completions", json={
-            "model": MODEL, "prompt": words("use", 40), "max_tokens": 1}, headers={"X-Request-Id": "u1"}))  # fmt: skip
+        call = asyncio.create_task(
+            client.post(
+                f"{node.url}/v1/completions",
+                json={"model": MODEL, "prompt": words("use", 40), "max_tokens": 1},
+                headers={"X-Request-Id": "u1"},
+            )
+        )
         await asyncio.to_thread(node.wait_for_request, request_id="u1", state="running")
         assert metric(node, "vllm:kv_cache_usage_perc") == pytest.approx(0.1)  # 2 full blocks + 1 partial of 30
         call.cancel()
         await asyncio.gather(call, return_exceptions=True)
         await asyncio.to_thread(node.wait_for_request, request_id="u1", cancelled=True)
         assert metric(node, "vllm:kv_cache_usage_perc") == 0.0
-        assert node.snapshot()["kv_cache"] == {"block_size": 16, "capacity_blocks": 30, "used_blocks": 0,
-                                               "cached_blocks": 2, "usage": 0.0}  # fmt: skip
+        assert node.snapshot()["kv_cache"] == {
+            "block_size": 16,
+            "capacity_blocks": 30,
+            "used_blocks": 0,
+            "cached_blocks": 2,
+            "usage": 0.0,
+        }
 
 
 async def test_a_full_cache_evicts_the_least_recently_used_prompt(logs: Path, client: httpx.AsyncClient) -> None:

@@ -22,10 +22,14 @@ PROMPT = list(range(100, 110))  # two full blocks and a partial one
 @pytest.fixture
 def node(logs_dir: Path) -> Iterator[tuple[SimNode, str, str]]:
     pub, replay = f"tcp://{HOST}:{free_port()}", f"tcp://{HOST}:{free_port()}"
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub, "replay_endpoint": replay,
-              "topic": "kv"}  # fmt: skip
-    sim = SimNode(logs_dir, "kv-sim", block_size=BS, cache_blocks=6, output_len=1,
-                  kv_events_config=json.dumps(config))  # fmt: skip
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": pub,
+        "replay_endpoint": replay,
+        "topic": "kv",
+    }
+    sim = SimNode(logs_dir, "kv-sim", block_size=BS, cache_blocks=6, output_len=1, kv_events_config=json.dumps(config))
     with sim:
         yield sim, pub, replay
 

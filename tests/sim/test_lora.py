@@ -29,8 +29,16 @@ def lora_info(page: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
     logs = tmp_path_factory.mktemp("sim-lora")
-    with SimNode(logs, env=RUNTIME_LORA, model=[MODEL, "base-b"], enable_lora=True, max_loras=1,
-                 lora_modules=MODULES, ttft=0.01, itl=0.01) as started:  # fmt: skip
+    with SimNode(
+        logs,
+        env=RUNTIME_LORA,
+        model=[MODEL, "base-b"],
+        enable_lora=True,
+        max_loras=1,
+        lora_modules=MODULES,
+        ttft=0.01,
+        itl=0.01,
+    ) as started:
         yield started
 
 
@@ -41,8 +49,7 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 
 
 def chat(model: str, tokens: int = 2) -> dict[str, object]:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
-            "ignore_eos": True}  # fmt: skip
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "ignore_eos": True}
 
 
 async def test_lora_modules_in_both_forms_are_listed_as_vllm_lists_adapters(
@@ -50,8 +57,9 @@ async def test_lora_modules_in_both_forms_are_listed_as_vllm_lists_adapters(
 ) -> None:
     cards = {c["id"]: c for c in (await client.get(f"{node.url}/v1/models")).json()["data"]}
     assert [(cards[n]["root"], cards[n]["parent"]) for n in ("sql", "chat")] == [
-        ("/loras/sql", MODEL), ("/loras/chat", "base-b"),
-    ]  # fmt: skip
+        ("/loras/sql", MODEL),
+        ("/loras/chat", "base-b"),
+    ]
 
 
 async def test_an_adapter_beyond_max_loras_waits_until_the_active_one_has_no_request(
@@ -77,8 +85,9 @@ async def test_requests_of_the_active_adapter_share_its_slot_without_a_swap(
 ) -> None:
     await client.post(f"{node.url}/v1/chat/completions", json=chat("sql"))
     before = node.snapshot()["counters"]["lora_swaps"]
-    answers = await asyncio.gather(*(client.post(f"{node.url}/v1/chat/completions", json=chat("sql"))
-                                     for _ in range(4)))  # fmt: skip
+    answers = await asyncio.gather(
+        *(client.post(f"{node.url}/v1/chat/completions", json=chat("sql")) for _ in range(4))
+    )
     assert {a.status_code for a in answers} == {200}
     assert node.snapshot()["counters"]["lora_swaps"] == before
 

@@ -20,8 +20,16 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
     logs = tmp_path_factory.mktemp("sim-admin")
-    with SimNode(logs, env=RUNTIME_LORA, model=[MODEL, "alias"], model_root="/models/sim",
-                 lora=["sql", "chat=/loras/chat"], max_model_len=2048, ttft=0.01, itl=0.002) as started:  # fmt: skip
+    with SimNode(
+        logs,
+        env=RUNTIME_LORA,
+        model=[MODEL, "alias"],
+        model_root="/models/sim",
+        lora=["sql", "chat=/loras/chat"],
+        max_model_len=2048,
+        ttft=0.01,
+        itl=0.002,
+    ) as started:
         yield started
 
 
@@ -35,18 +43,28 @@ async def test_a_record_carries_the_routing_fields_headers_and_body_digest(
     node: SimNode, client: httpx.AsyncClient
 ) -> None:
     body = json.dumps({**CHAT, "request_id": "body-rid", "session_id": "s-1", "cache_salt": "salt", "priority": 3})
-    headers = {"content-type": "application/json", "x-request-id": "hdr-rid", "x-data-parallel-rank": "1",
-               "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}  # fmt: skip
+    headers = {
+        "content-type": "application/json",
+        "x-request-id": "hdr-rid",
+        "x-data-parallel-rank": "1",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    }
     response = await client.post(f"{node.url}/v1/chat/completions?trace=1", content=body, headers=headers)
     assert response.status_code == 200
     record = node.wait_for_request(request_id="hdr-rid")
     assert (record["path"], record["query"], record["method"], record["content_type"]) == (
-        "/v1/chat/completions", "trace=1", "POST", "application/json",
-    )  # fmt: skip
+        "/v1/chat/completions",
+        "trace=1",
+        "POST",
+        "application/json",
+    )
     assert (record["body_sha256"], record["body_length"]) == (hashlib.sha256(body.encode()).hexdigest(), len(body))
     assert (record["body_request_id"], record["session_id"], record["cache_salt"], record["priority"]) == (
-        "body-rid", "s-1", "salt", 3,
-    )  # fmt: skip
+        "body-rid",
+        "s-1",
+        "salt",
+        3,
+    )
     assert (record["data_parallel_rank"], record["traceparent"]) == ("1", headers["traceparent"])
 
 
@@ -64,9 +82,11 @@ async def test_model_cards_give_root_parent_and_max_model_len(node: SimNode, cli
     cards = {card["id"]: card for card in (await client.get(f"{node.url}/v1/models")).json()["data"]}
     assert list(cards) == [MODEL, "alias", "sql", "chat"]
     assert [(c["root"], c["parent"], c["max_model_len"]) for c in cards.values()] == [
-        ("/models/sim", None, 2048), ("/models/sim", None, 2048), ("/adapters/sql", MODEL, None),
+        ("/models/sim", None, 2048),
+        ("/models/sim", None, 2048),
+        ("/adapters/sql", MODEL, None),
         ("/loras/chat", MODEL, None),
-    ]  # fmt: skip
+    ]
     assert all(c["owned_by"] == "vllm" and c["permission"][0]["object"] == "model_permission" for c in cards.values())
     assert (await client.get(f"{node.url}/v1/models/{MODEL}")).status_code == 404  # vLLM has no GET /v1/models/{id}
 
@@ -107,8 +127,9 @@ async def test_a_sleeping_node_holds_generation_until_woken_and_stays_healthy(
         assert (await client.get(f"{node.url}/is_sleeping")).json() == {"is_sleeping": True}
         assert (await client.get(f"{node.url}/health")).status_code == 200
         assert (await client.get(f"{node.url}/v1/models")).status_code == 200
-        held = asyncio.ensure_future(client.post(f"{node.url}/v1/chat/completions", json=CHAT,
-                                                 headers={"x-request-id": "asleep"}))  # fmt: skip
+        held = asyncio.ensure_future(
+            client.post(f"{node.url}/v1/chat/completions", json=CHAT, headers={"x-request-id": "asleep"})
+        )
         await asyncio.to_thread(node.wait_for_request, request_id="asleep", state="sleeping")
         assert not held.done() and node.snapshot()["waiting"] == 1
     finally:
@@ -145,8 +166,9 @@ async def test_a_different_cache_salt_misses_the_prefix_cache(node: SimNode, cli
     words = " ".join(f"salted{i}" for i in range(40))
     chat = {**CHAT, "messages": [{"role": "user", "content": words}]}
     for rid, salt in (("salt-a1", "a"), ("salt-a2", "a"), ("salt-b", "b")):
-        response = await client.post(f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": salt},
-                                     headers={"x-request-id": rid})  # fmt: skip
+        response = await client.post(
+            f"{node.url}/v1/chat/completions", json={**chat, "cache_salt": salt}, headers={"x-request-id": rid}
+        )
         assert response.status_code == 200
     hits = [node.wait_for_request(request_id=rid)["cached_tokens"] for rid in ("salt-a1", "salt-a2", "salt-b")]
     assert hits[0] == 0 and hits[1] >= 32 and hits[2] == 0
@@ -172,8 +194,12 @@ async def test_an_aborting_sleep_ends_running_generations_with_finish_reason_abo
         chunks: list[str] = []
 
         async def stream() -> None:
-            async with client.stream("POST", f"{node.url}/v1/chat/completions", json={**CHAT, "stream": True,
-                                     "max_tokens": 8}, headers={"x-request-id": "aborted"}) as response:  # fmt: skip
+            async with client.stream(
+                "POST",
+                f"{node.url}/v1/chat/completions",
+                json={**CHAT, "stream": True, "max_tokens": 8},
+                headers={"x-request-id": "aborted"},
+            ) as response:
                 chunks.extend([line async for line in response.aiter_lines() if line.startswith("data: ")])
 
         running = asyncio.ensure_future(stream())
@@ -193,8 +219,11 @@ async def test_an_aborting_sleep_ends_running_generations_with_finish_reason_abo
 async def test_a_waiting_sleep_lets_running_generations_finish(node: SimNode, client: httpx.AsyncClient) -> None:
     node.configure(hang_after_tokens=2)
     try:
-        running = asyncio.ensure_future(client.post(f"{node.url}/v1/chat/completions", json={**CHAT, "max_tokens": 4},
-                                                    headers={"x-request-id": "kept"}))  # fmt: skip
+        running = asyncio.ensure_future(
+            client.post(
+                f"{node.url}/v1/chat/completions", json={**CHAT, "max_tokens": 4}, headers={"x-request-id": "kept"}
+            )
+        )
         await asyncio.to_thread(node.wait_for_request, request_id="kept", state="hung")
         assert (await client.post(f"{node.url}/sleep", params={"mode": "wait"})).status_code == 200
         node.configure(hang_after_tokens=0)

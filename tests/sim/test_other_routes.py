@@ -65,12 +65,18 @@ async def test_embeddings_pooling_and_classify_answer_per_input(node: SimNode, c
 
 
 async def test_generate_takes_tokens_and_gives_tokens(node: SimNode, client: httpx.AsyncClient) -> None:
-    body = await post(client, node, "/inference/v1/generate", "gen",
-                      {"token_ids": [5000, 6000, 7000], "sampling_params": {"max_tokens": 3}})  # fmt: skip
+    body = await post(
+        client,
+        node,
+        "/inference/v1/generate",
+        "gen",
+        {"token_ids": [5000, 6000, 7000], "sampling_params": {"max_tokens": 3}},
+    )
     [choice] = body["choices"]
     assert body["id"] == "generate-tokens-gen" and choice["finish_reason"] == "length" and len(choice["token_ids"]) == 3
-    same = await client.post(f"{node.url}/v1/completions",
-                             json={"prompt": [5000, 6000, 7000], "max_tokens": 3, "return_token_ids": True})
+    same = await client.post(
+        f"{node.url}/v1/completions", json={"prompt": [5000, 6000, 7000], "max_tokens": 3, "return_token_ids": True}
+    )
     assert same.json()["choices"][0]["token_ids"] == choice["token_ids"]
     assert (await client.post(f"{node.url}/inference/v1/generate", json={"token_ids": [1]})).status_code == 400
 
@@ -81,38 +87,70 @@ async def test_tokenizer_info_describes_the_tokenizer(node: SimNode, client: htt
 
 
 async def test_anthropic_messages_answer_in_anthropics_shape(node: SimNode, client: httpx.AsyncClient) -> None:
-    body = await post(client, node, "/v1/messages", "msg",
-                      {"max_tokens": 3, "system": "be nice", "messages": [{"role": "user", "content": "hi"}]})
-    assert (body["type"], body["role"], body["stop_reason"], body["id"]) == ("message", "assistant", "max_tokens",
-                                                                            "chatcmpl-msg")  # fmt: skip
+    body = await post(
+        client,
+        node,
+        "/v1/messages",
+        "msg",
+        {"max_tokens": 3, "system": "be nice", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert (body["type"], body["role"], body["stop_reason"], body["id"]) == (
+        "message",
+        "assistant",
+        "max_tokens",
+        "chatcmpl-msg",
+    )
     assert body["usage"]["output_tokens"] == 3 and re.fullmatch(r"( tok\d+){3}", body["content"][0]["text"])
 
 
 async def test_streamed_anthropic_messages_send_its_events_then_done(node: SimNode, client: httpx.AsyncClient) -> None:
-    response = await client.post(f"{node.url}/v1/messages", json={
-        "model": MODEL, "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}],
-    })  # fmt: skip
+    response = await client.post(
+        f"{node.url}/v1/messages",
+        json={
+            "model": MODEL,
+            "max_tokens": 2,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     blocks = [b for b in response.text.split("\n\n") if b]
     assert blocks[-1] == "data: [DONE]"
     kinds = [json.loads(b.split("\n")[1].removeprefix("data: "))["type"] for b in blocks[:-1]]
-    assert kinds == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
-                     "content_block_stop", "message_delta", "message_stop"]  # fmt: skip
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
 
 
 async def test_anthropic_errors_use_anthropics_envelope(node: SimNode, client: httpx.AsyncClient) -> None:
-    response = await client.post(f"{node.url}/v1/messages", json={
-        "model": "nope", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
-    })  # fmt: skip
+    response = await client.post(
+        f"{node.url}/v1/messages",
+        json={
+            "model": "nope",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert response.status_code == 404
-    assert response.json() == {"type": "error", "error": {"type": "NotFoundError",
-                                                          "message": "The model `nope` does not exist."}}
+    assert response.json() == {
+        "type": "error",
+        "error": {"type": "NotFoundError", "message": "The model `nope` does not exist."},
+    }
 
 
 async def test_a_sleeping_node_holds_pooling_requests_too(node: SimNode, client: httpx.AsyncClient) -> None:
     await client.post(f"{node.url}/sleep")
     try:
-        held = asyncio.ensure_future(client.post(f"{node.url}/v1/rerank", headers={"x-request-id": "held"},
-                                                 json={"query": "q", "documents": ["a"]}))  # fmt: skip
+        held = asyncio.ensure_future(
+            client.post(
+                f"{node.url}/v1/rerank", headers={"x-request-id": "held"}, json={"query": "q", "documents": ["a"]}
+            )
+        )
         await asyncio.to_thread(node.wait_for_request, request_id="held", state="sleeping")
         assert not held.done()
     finally:

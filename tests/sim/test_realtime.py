@@ -91,10 +91,17 @@ async def test_a_client_close_reaches_the_node_and_is_recorded(node: SimNode) ->
     record = await asyncio.to_thread(node.wait_for_request, request_id="rt-close", state="closed", method="WEBSOCKET")
     detail = record["detail"]
     assert (record["model"], detail["session"], detail["closed_by"], detail["close_code"]) == (
-        MODEL, session_id, "client", 1000,
-    )  # fmt: skip
-    assert detail["events"] == ["session.update", "input_audio_buffer.append", "input_audio_buffer.append",
-                                "input_audio_buffer.commit"]  # fmt: skip
+        MODEL,
+        session_id,
+        "client",
+        1000,
+    )
+    assert detail["events"] == [
+        "session.update",
+        "input_audio_buffer.append",
+        "input_audio_buffer.append",
+        "input_audio_buffer.commit",
+    ]
     assert (detail["audio_bytes"], detail["audio_sha256"]) == (len(AUDIO), hashlib.sha256(AUDIO).hexdigest())
 
 

@@ -19,10 +19,16 @@ from tests.support.sim_node import SimNode
 MODEL = "sim-model"
 LONG_INPUT = " ".join(f"word{i}" for i in range(40))
 STREAM_EVENTS = [
-    "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
-    *["response.output_text.delta"] * 4, "response.output_text.done", "response.content_part.done",
-    "response.output_item.done", "response.completed",
-]  # fmt: skip
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+    *["response.output_text.delta"] * 4,
+    "response.output_text.done",
+    "response.content_part.done",
+    "response.output_item.done",
+    "response.completed",
+]
 """A streamed answer of four tokens."""
 
 
@@ -58,8 +64,11 @@ async def create(client: httpx.AsyncClient, node: SimNode, **body: Any) -> httpx
 async def test_the_response_id_is_the_bodys_request_id_and_the_header_changes_nothing(
     node: SimNode, client: httpx.AsyncClient
 ) -> None:
-    named = await client.post(f"{node.url}/v1/responses", json={"input": "hi", "request_id": "resp_node1-abc"},
-                              headers={"x-request-id": "header-id"})  # fmt: skip
+    named = await client.post(
+        f"{node.url}/v1/responses",
+        json={"input": "hi", "request_id": "resp_node1-abc"},
+        headers={"x-request-id": "header-id"},
+    )
     assert (named.status_code, named.json()["id"]) == (200, "resp_node1-abc")
     assert node.wait_for_request(id="resp_node1-abc")["body_request_id"] == "resp_node1-abc"
     unnamed = (await create(client, node)).json()["id"]
@@ -68,11 +77,17 @@ async def test_the_response_id_is_the_bodys_request_id_and_the_header_changes_no
 
 async def test_a_response_has_vllms_fields_and_its_text_and_usage(node: SimNode, client: httpx.AsyncClient) -> None:
     body = (await create(client, node, max_output_tokens=3, instructions="be brief", metadata={"k": "v"})).json()
-    assert (body["object"], body["model"], body["status"], body["background"]) == ("response", MODEL, "incomplete",
-                                                                                  False)  # fmt: skip
+    assert (body["object"], body["model"], body["status"], body["background"]) == (
+        "response",
+        MODEL,
+        "incomplete",
+        False,
+    )
     assert (body["incomplete_details"], body["instructions"], body["metadata"]) == (
-        {"reason": "max_output_tokens"}, "be brief", {"k": "v"},
-    )  # fmt: skip
+        {"reason": "max_output_tokens"},
+        "be brief",
+        {"k": "v"},
+    )
     [item] = body["output"]
     assert (item["type"], item["role"], item["status"], item["id"][:4]) == ("message", "assistant", "completed", "msg_")
     [part] = item["content"]
@@ -89,10 +104,15 @@ async def test_a_stored_response_is_served_by_id_and_an_unstored_one_is_not(
     assert (await client.get(f"{node.url}/v1/responses/resp_kept")).json() == kept
     await create(client, node, request_id="resp_unkept", store=False)
     missing = await client.get(f"{node.url}/v1/responses/resp_unkept")
-    assert (missing.status_code, missing.json()["error"]) == (404, {
-        "message": "Response with id 'resp_unkept' not found.", "type": "invalid_request_error",
-        "param": "response_id", "code": 404,
-    })  # fmt: skip
+    assert (missing.status_code, missing.json()["error"]) == (
+        404,
+        {
+            "message": "Response with id 'resp_unkept' not found.",
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": 404,
+        },
+    )
 
 
 async def test_an_unknown_previous_response_id_is_vllms_404(node: SimNode, client: httpx.AsyncClient) -> None:
@@ -125,8 +145,9 @@ async def test_each_turn_of_a_chain_extends_the_previous_prompt_so_the_prefix_ca
 ) -> None:
     previous = None
     for turn in range(3):
-        body = await create(client, node, input=LONG_INPUT, request_id=f"resp_chain{turn}",
-                            previous_response_id=previous)  # fmt: skip
+        body = await create(
+            client, node, input=LONG_INPUT, request_id=f"resp_chain{turn}", previous_response_id=previous
+        )
         assert body.status_code == 200, body.text
         previous = body.json()["id"]
     first, second, third = (node.wait_for_request(id=f"resp_chain{i}") for i in range(3))
@@ -152,9 +173,7 @@ async def test_a_streamed_background_response_streams_its_events(node: SimNode, 
     assert [e["type"] for e in events(response.text)] == STREAM_EVENTS
 
 
-async def test_cancelling_a_background_response_aborts_its_generation(
-    node: SimNode, client: httpx.AsyncClient
-) -> None:
+async def test_cancelling_a_background_response_aborts_its_generation(node: SimNode, client: httpx.AsyncClient) -> None:
     node.configure(hang=True)
     try:
         queued = await create(client, node, background=True, request_id="resp_cancel")
@@ -221,14 +240,22 @@ async def test_websocket_mode_streams_each_response_and_chains_on_the_connection
         second = await ws_turn(ws, input="more", request_id="resp_ws2", previous_response_id="resp_ws1")
         assert second[-1]["response"]["previous_response_id"] == "resp_ws1"
         stale = await ws_turn(ws, input="again", previous_response_id="resp_ws1")
-        assert stale == [{"type": "error", "status": 404, "error": {
-            "code": "previous_response_not_found", "message": "Response 'resp_ws1' not found in connection cache",
-        }}]  # fmt: skip
+        assert stale == [
+            {
+                "type": "error",
+                "status": 404,
+                "error": {
+                    "code": "previous_response_not_found",
+                    "message": "Response 'resp_ws1' not found in connection cache",
+                },
+            }
+        ]
         warm = await ws_turn(ws, input="warm", generate=False)
         assert [e["type"] for e in warm] == ["response.created", "response.completed"]
     assert (await client.get(f"{node.url}/v1/responses/resp_ws2")).json()["status"] == "completed"
     one, two = (node.wait_for_request(id=f"resp_ws{i}") for i in (1, 2))
     assert two["prompt_tokens"] > one["prompt_tokens"] + one["completion_tokens"] and two["cached_tokens"] > 0
-    session = await asyncio.to_thread(node.wait_for_request, request_id="ws-mode", state="closed", path="/v1/responses",
-                                      id="")  # fmt: skip
+    session = await asyncio.to_thread(
+        node.wait_for_request, request_id="ws-mode", state="closed", path="/v1/responses", id=""
+    )
     assert session["detail"]["closed_by"] == "client" and session["detail"]["events"] == ["response.create"] * 4

@@ -103,16 +103,23 @@ async def test_completion_resumed_by_token_ids_on_another_node_ends_the_same(
     nodes: Nodes, client: httpx.AsyncClient, max_tokens: int | None
 ) -> None:
     first, second = nodes
-    original = await post(client, first, "/v1/completions", {"prompt": PROMPT, "max_tokens": max_tokens,
-                                                              "return_token_ids": True})  # fmt: skip
+    original = await post(
+        client, first, "/v1/completions", {"prompt": PROMPT, "max_tokens": max_tokens, "return_token_ids": True}
+    )
     choice = original["choices"][0]
     answer, finish = choice["token_ids"], choice["finish_reason"]
     assert (len(answer), finish) == ((16, "stop") if max_tokens is None else (10, "length"))
     for k in (cut for cut in CUTS if cut < len(answer) or finish == "stop"):
-        rest = await post(client, second, "/v1/completions", {
-            "prompt": choice["prompt_token_ids"] + answer[:k], "return_token_ids": True,
-            "max_tokens": None if max_tokens is None else max_tokens - k,
-        })  # fmt: skip
+        rest = await post(
+            client,
+            second,
+            "/v1/completions",
+            {
+                "prompt": choice["prompt_token_ids"] + answer[:k],
+                "return_token_ids": True,
+                "max_tokens": None if max_tokens is None else max_tokens - k,
+            },
+        )
         assert (rest["choices"][0]["token_ids"], rest["choices"][0]["finish_reason"]) == (answer[k:], finish), k
         assert rest["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"]) + k
 
@@ -151,13 +158,15 @@ async def test_chat_resumed_with_continue_final_message_ends_the_same(nodes: Nod
 async def test_tokenize_renders_chats_like_the_completions_do(nodes: Nodes, client: httpx.AsyncClient) -> None:
     node = nodes[0]
     opened = (await post(client, node, "/tokenize", {"messages": CHAT}))["tokens"]
-    closed = await post(client, node, "/tokenize", {"messages": CHAT, "add_generation_prompt": False,
-                                                    "return_token_strs": True})  # fmt: skip
+    closed = await post(
+        client, node, "/tokenize", {"messages": CHAT, "add_generation_prompt": False, "return_token_strs": True}
+    )
     assert opened == closed["tokens"] + [4] and closed["token_strs"][-1] == " <|end|>"
     assert (await post(client, node, "/detokenize", {"tokens": opened}))["prompt"].endswith(" <|end|> <|assistant|>")
     partial = [*CHAT, {"role": "assistant", "content": " tok20 tok21"}]
-    continued = await post(client, node, "/tokenize", {"messages": partial, "continue_final_message": True,
-                                                       "add_generation_prompt": False})  # fmt: skip
+    continued = await post(
+        client, node, "/tokenize", {"messages": partial, "continue_final_message": True, "add_generation_prompt": False}
+    )
     assert continued["tokens"] == opened + [20, 21] and continued["count"] == len(opened) + 2
 
 

@@ -106,8 +106,11 @@ async def test_completion_body_is_vllms(node: SimNode, client: httpx.AsyncClient
     assert generated(body["choices"][0]["text"]) == 3
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["logprobs"] is None
     assert body["usage"] == {
-        "prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3, "prompt_tokens_details": None,
-    }  # fmt: skip
+        "prompt_tokens": 3,
+        "total_tokens": 6,
+        "completion_tokens": 3,
+        "prompt_tokens_details": None,
+    }
     assert body["kv_transfer_params"] is None and isinstance(body["created"], int)
 
 
@@ -136,8 +139,10 @@ async def test_completion_stream_one_token_per_chunk_then_usage(node: SimNode, c
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
     assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == {
-        "prompt_tokens": 2, "total_tokens": 6, "completion_tokens": 4,
-    }  # fmt: skip
+        "prompt_tokens": 2,
+        "total_tokens": 6,
+        "completion_tokens": 4,
+    }
 
 
 async def test_chat_stream_opens_with_role_and_has_no_usage_unasked(node: SimNode, client: httpx.AsyncClient) -> None:
@@ -193,9 +198,12 @@ async def test_openai_client_parses_completions_and_chat(node: SimNode) -> None:
         stream = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True)
         assert "".join([c.choices[0].text async for c in stream]) == text
         chat_stream = await oai.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         chunks = [c async for c in chat_stream]
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
@@ -293,10 +301,16 @@ async def test_fail_injection_answers_vllm_errors(sim_logs: Path, client: httpx.
         assert failed.status_code == 503 and failed.json()["error"]["code"] == 503
         flaky.configure(fail_rate=0.0, fail_after_tokens=2)
         assert sse((await client.post(url, json={**payload, "stream": True})).text)[-2:] == [
-            {"error": {"message": "vllm-sim: injected engine failure during generation",
-                       "type": "InternalServerError", "param": None, "code": 500}},
+            {
+                "error": {
+                    "message": "vllm-sim: injected engine failure during generation",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            },
             "[DONE]",
-        ]  # fmt: skip
+        ]
         flaky.configure(fail_after_tokens=0)
         assert (await client.post(url, json=payload)).status_code == 200
 
@@ -321,8 +335,9 @@ async def test_hang_after_tokens_stalls_a_stream_midway_without_closing_it(sim_l
         stalling.configure(hang_after_tokens=3)
         payload = {"model": MODEL, "prompt": "x", "max_tokens": 8, "stream": True}
         async with httpx.AsyncClient(timeout=10.0) as c:
-            async with c.stream("POST", f"{stalling.url}/v1/completions", json=payload,
-                                headers={"X-Request-Id": "ha1"}) as r:  # fmt: skip
+            async with c.stream(
+                "POST", f"{stalling.url}/v1/completions", json=payload, headers={"X-Request-Id": "ha1"}
+            ) as r:
                 lines = r.aiter_lines()
                 received = 0
                 while received < 3:
@@ -333,8 +348,9 @@ async def test_hang_after_tokens_stalls_a_stream_midway_without_closing_it(sim_l
                 rest = [line async for line in lines if line.startswith("data: ")]
             assert len(rest) == 5 + 1 and rest[-1] == "data: [DONE]"
             stalling.configure(hang_after_tokens=1)
-            async with c.stream("POST", f"{stalling.url}/v1/completions", json=payload,
-                                headers={"X-Request-Id": "ha2"}) as r:  # fmt: skip
+            async with c.stream(
+                "POST", f"{stalling.url}/v1/completions", json=payload, headers={"X-Request-Id": "ha2"}
+            ) as r:
                 await asyncio.to_thread(stalling.wait_for_request, request_id="ha2", state="hung")
         left = await asyncio.to_thread(stalling.wait_for_request, request_id="ha2", cancelled=True)
         assert left["completion_tokens"] == 1 and stalling.snapshot()["running"] == 0

@@ -68,9 +68,11 @@ def test_a_continuation_yields_exactly_the_rest_of_the_answer(
     assert encode(decode(answer.tokens)) == list(answer.tokens)
     k = data.draw(st.integers(0, len(answer.tokens)), label="k")
     rest = complete(
-        [*prompt, *answer.tokens[:k]], max_tokens=None if max_tokens is None else max_tokens - k,
-        output_len=output_len, ignore_eos=ignore_eos,
-    )  # fmt: skip
+        [*prompt, *answer.tokens[:k]],
+        max_tokens=None if max_tokens is None else max_tokens - k,
+        output_len=output_len,
+        ignore_eos=ignore_eos,
+    )
     assert rest.tokens == answer.tokens[k:] and rest.finish_reason == answer.finish_reason
 
 

@@ -73,8 +73,9 @@ def test_a_node_with_a_tokenizer_continues_exactly_from_text(tmp_path: Path, log
         whole = httpx.post(f"{node.url}/v1/completions", json=body).json()["choices"][0]
         assert whole["prompt_token_ids"] == encode(body["prompt"])
         head = whole["token_ids"][:5]
-        rest = httpx.post(f"{node.url}/v1/completions", json={
-            **body, "prompt": body["prompt"] + tokens.decode(head), "max_tokens": 7}).json()["choices"][0]  # fmt: skip
+        rest = httpx.post(
+            f"{node.url}/v1/completions", json={**body, "prompt": body["prompt"] + tokens.decode(head), "max_tokens": 7}
+        ).json()["choices"][0]
         assert head + rest["token_ids"] == whole["token_ids"]
     finally:
         node.stop()

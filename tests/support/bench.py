@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 def run_bench(module: str, *args: str, timeout: float = 120) -> dict[str, Any]:
     """``python -m MODULE ARGS --json`` from the repository root; its JSON report (the run must exit 0)."""
-    done = subprocess.run([sys.executable, "-m", module, *args, "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
     result: dict[str, Any] = json.loads(done.stdout)
     return result

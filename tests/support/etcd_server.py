@@ -30,15 +30,23 @@ class EtcdServer:
         peer = f"http://{HOST}:{self.peer_port}"
         return [
             "etcd",
-            "--name", self.name,
-            "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.endpoint,
-            "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", peer,
-            "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}",
-            "--log-level", "warn",
-        ]  # fmt: skip
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"{self.name}={peer}",
+            "--log-level",
+            "warn",
+        ]
 
     def start(self, timeout: float = 20.0) -> None:
         self.proc = Proc(self.name, self.argv(), self.log_dir)

@@ -44,8 +44,10 @@ class EtcdWatch:
         self._stderr = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(
             ["etcdctl", f"--endpoints={endpoints}", "watch", "--prefix", prefix, "-w", "json"],
-            stdout=subprocess.PIPE, stderr=self._stderr, env=env,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=env,
+        )
         self._events: list[WatchEvent] = []
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name=name, daemon=True)
@@ -116,7 +118,9 @@ class EtcdWatch:
                     type="DELETE" if event.get("type") == 1 else "PUT",
                     key=base64.b64decode(kv.get("key", "")).decode(errors="replace"),
                     value=base64.b64decode(kv.get("value", "")),
-                    revision=revision, wall=wall, at=at,
-                )  # fmt: skip
+                    revision=revision,
+                    wall=wall,
+                    at=at,
+                )
                 with self._lock:
                     self._events.append(parsed)

@@ -81,12 +81,18 @@ class OtlpReceiver:
                 resource_attrs = {a.key: _value(a.value) for a in resource.resource.attributes}
                 for scope in resource.scope_spans:
                     for s in scope.spans:
-                        found.append(Span(
-                            name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                            parent_id=s.parent_span_id.hex(), kind=s.kind,
-                            attributes={a.key: _value(a.value) for a in s.attributes},
-                            service=str(resource_attrs.get("service.name")), error=s.status.code == 2,
-                        ))  # fmt: skip
+                        found.append(
+                            Span(
+                                name=s.name,
+                                trace_id=s.trace_id.hex(),
+                                span_id=s.span_id.hex(),
+                                parent_id=s.parent_span_id.hex(),
+                                kind=s.kind,
+                                attributes={a.key: _value(a.value) for a in s.attributes},
+                                service=str(resource_attrs.get("service.name")),
+                                error=s.status.code == 2,
+                            )
+                        )
         return found
 
     def wait_for_spans(self, count: int, timeout: float = 10.0, **attributes: Any) -> list[Span]:

@@ -13,8 +13,14 @@ from tests.support.procs import HOST, Proc, free_port, http_ok, python_module, w
 class ProxyProc:
     """``python -m proxy`` with the given flags; ``.url`` is its base URL. ``admin_key`` sets ADMIN_API_KEY."""
 
-    def __init__(self, log_dir: Path, *args: str, name: str = "proxy", admin_key: str | None = None,
-                 env: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        log_dir: Path,
+        *args: str,
+        name: str = "proxy",
+        admin_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         full_env = dict(env or {})
         if admin_key:
@@ -49,14 +55,23 @@ class ProxyProc:
         """Until ``node_id`` of ``role`` is known with its models and not ejected."""
 
         def ready() -> bool:
-            return any(w["role"] == role and w["id"] == node_id and w["models_known"] and not w["ejected"]
-                       and w["status"] == "serving" for w in self.workers())  # fmt: skip
+            return any(
+                w["role"] == role
+                and w["id"] == node_id
+                and w["models_known"]
+                and not w["ejected"]
+                and w["status"] == "serving"
+                for w in self.workers()
+            )
 
         wait_until(ready, timeout, f"{role} node {node_id} routable on {self.proc.name}")
 
     def wait_gone(self, role: str, node_id: str, timeout: float = 15) -> None:
-        wait_until(lambda: not any(w["role"] == role and w["id"] == node_id for w in self.workers()),
-                   timeout, f"{role} node {node_id} gone from {self.proc.name}")  # fmt: skip
+        wait_until(
+            lambda: not any(w["role"] == role and w["id"] == node_id for w in self.workers()),
+            timeout,
+            f"{role} node {node_id} gone from {self.proc.name}",
+        )
 
     def stop(self) -> int | None:
         return self.proc.stop()

@@ -31,8 +31,23 @@ def make_certs(root: Path) -> dict[str, str]:
         key, csr, cert, ext = (str(root / f"{name}.{ext}") for ext in ("key", "csr", "pem", "ext"))
         Path(ext).write_text(f"subjectAltName=IP:127.0.0.1\nextendedKeyUsage={usage}\n")
         openssl("req", *key_args, "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
-        openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
-                 "-days", "1", "-extfile", ext)  # fmt: skip
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            cert,
+            "-days",
+            "1",
+            "-extfile",
+            ext,
+        )
         paths[f"{name}_cert"], paths[f"{name}_key"] = cert, key
     return paths
 
@@ -48,8 +63,16 @@ class TlsEtcd(EtcdServer):
 
     def argv(self) -> list[str]:
         c = self.certs
-        return [*super().argv(), "--cert-file", c["server_cert"], "--key-file", c["server_key"],
-                "--trusted-ca-file", c["cacert"], "--client-cert-auth"]  # fmt: skip
+        return [
+            *super().argv(),
+            "--cert-file",
+            c["server_cert"],
+            "--key-file",
+            c["server_key"],
+            "--trusted-ca-file",
+            c["cacert"],
+            "--client-cert-auth",
+        ]
 
     def start(self, timeout: float = 20.0) -> None:
         self.proc = Proc(self.name, self.argv(), self.log_dir)

@@ -29,8 +29,15 @@ RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
 class SimNode:
     """One simulated vLLM node. ``url`` is ``http://127.0.0.1:PORT``; ``host_port`` is also its node id."""
 
-    def __init__(self, log_dir: Path, name: str | None = None, *, port: int | None = None,
-                 env: dict[str, str] | None = None, **knobs: Any):  # fmt: skip
+    def __init__(
+        self,
+        log_dir: Path,
+        name: str | None = None,
+        *,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        **knobs: Any,
+    ):
         self.log_dir = log_dir
         self.env = env
         self.port = port or free_port()

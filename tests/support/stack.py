@@ -147,15 +147,35 @@ class LocalStack:
             *self.sim_flags,
         )
         argv = python_module(
-            "vllm_etcd_proxy.registrar", "--etcd", self.etcd_endpoint, "--role", role, "--url", url,
-            "--models", "auto", "--label", f"name={name}", *self.registrar_flags, "--", *sim,
-        )  # fmt: skip
+            "vllm_etcd_proxy.registrar",
+            "--etcd",
+            self.etcd_endpoint,
+            "--role",
+            role,
+            "--url",
+            url,
+            "--models",
+            "auto",
+            "--label",
+            f"name={name}",
+            *self.registrar_flags,
+            "--",
+            *sim,
+        )
         return StackNode(role=role, port=port, proc=Proc(name, argv, self.log_dir))
 
     def _start_proxy(self, name: str) -> StackProxy:
         port = free_port()
-        argv = python_module("vllm_etcd_proxy.proxy", "--host", HOST, "--port", str(port), "--etcd", self.etcd_endpoint,
-                             *self.proxy_flags)  # fmt: skip
+        argv = python_module(
+            "vllm_etcd_proxy.proxy",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--etcd",
+            self.etcd_endpoint,
+            *self.proxy_flags,
+        )
         return StackProxy(port=port, proc=Proc(name, argv, self.log_dir))
 
     def missing(self) -> dict[str, list[str]]:
@@ -165,9 +185,10 @@ class LocalStack:
         for proxy in self.proxies:
             try:
                 routable = {
-                    (w["role"], w["id"]) for w in proxy.workers()
+                    (w["role"], w["id"])
+                    for w in proxy.workers()
                     if w["models_known"] and not w["ejected"] and w["status"] == "serving"
-                }  # fmt: skip
+                }
             except (httpx.HTTPError, ValueError, KeyError):
                 routable = set()
             lacking = sorted(f"{role}/{node_id}" for role, node_id in wanted - routable)
