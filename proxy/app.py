@@ -229,7 +229,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         while (
             time.monotonic() < deadline
             and not lifecycle.shutting_down
-            and not_ready_reason(lifecycle, discovery_state, pool) is not None
+            and not_ready_reason(lifecycle, discovery_state, pool, kv_subscribers.catching_up()) is not None
         ):
             await asyncio.sleep(0.05)
         try:
@@ -264,6 +264,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             registry=scraped,
             lifecycle=lifecycle,
             kv_view=KvView(kv_subscribers, kv_routing),
+            kv_catching_up=kv_subscribers.catching_up,
         ).routes(),
         *AdminRoutes(
             pool=pool,

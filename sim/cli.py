@@ -119,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--block-size", int, defaults.block_size, "tokens per KV block (prefix cache, remote_block_ids)")
     add("--cache-blocks", int, defaults.cache_blocks, "KV blocks of the prefix cache (0: no prefix caching)")
     add("--kv-events-config", str, defaults.kv_events_config, "vLLM's KVEventsConfig JSON: publish KV-cache events")
+    add("--kv-replay-frames", int, defaults.kv_replay_frames, "frames per replay answer: 4 (vLLM 0.32) or 3 (older)")
     add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
     add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
     add("--log-level", str, defaults.log_level, "debug, info, warning, error")
@@ -165,6 +166,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
     except ValueError as exc:
         parser.error(f"--kv-events-config: {exc}")
+    if args.kv_replay_frames not in (3, 4):
+        parser.error("--kv-replay-frames must be 3 or 4")
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -199,6 +202,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
         kv_events_config=args.kv_events_config,
+        kv_replay_frames=args.kv_replay_frames,
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
         scaling=args.scaling,

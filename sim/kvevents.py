@@ -6,8 +6,10 @@
 - ``BlockStored`` (full blocks only, with their token ids and parent), ``BlockRemoved`` (evictions) and
   ``AllBlocksCleared`` come from the simulated prefix cache's own behaviour (prefix_cache.py), one batch per
   step of the event loop.
-- A ROUTER replay socket answers ``[b"", start_seq]`` with ``[b"", seq, payload]`` for each buffered batch from
-  there, then ``[b"", -1, b""]``; the last ``buffer_steps`` batches are kept.
+- A ROUTER replay socket answers ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each buffered batch
+  from there, then ``[b"", b"", -1, b""]``, as vLLM 0.32 does (``_service_replay``); knob ``kv_replay_frames: 3``
+  answers as older vLLM did, ``[b"", seq, payload]`` then ``[b"", -1, b""]``. The last ``buffer_steps`` batches
+  are kept.
 - Block hashes are the cache's own mixed with a seed drawn per process, as vLLM's are unless PYTHONHASHSEED is
   fixed: two nodes give the same tokens different hashes. Unsigned 64-bit ints, or 16 bytes
   (``kv_events_hash: "bytes"``).
@@ -172,10 +174,13 @@ class Publisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
+            # vLLM 0.32 puts the topic before the seq (the end marker's topic is empty); older vLLM sent none.
+            topic = (self._topic,) if self._knobs.kv_replay_frames == 4 else ()
+            end = (b"",) if topic else ()
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    await self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            await self._replay.send_multipart((client, b"", END_SEQ, b""))
+                    await self._replay.send_multipart((client, b"", *topic, seq.to_bytes(8, "big"), payload))
+            await self._replay.send_multipart((client, b"", *end, END_SEQ, b""))
 
     def close(self) -> None:
         self._pub.close(0)

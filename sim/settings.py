@@ -114,6 +114,9 @@ class SimSettings:
     """Events as vLLM 0.32 sends them, maps tagged by ``type`` ("map"), or as older tagged arrays ("array")."""
     kv_events_hash: str = "int"
     """Block hashes published as unsigned 64-bit ints ("int", vLLM's default) or as bytes ("bytes")."""
+    kv_replay_frames: int = 4
+    """Frames per replay answer: vLLM 0.32's four, ``[b"", topic, seq, payload]``, or older vLLM's three,
+    ``[b"", seq, payload]`` (the end marker alike, with seq -1)."""
     scaling: bool = False
     """Answer every request (but /sim/*) with 503 as vLLM's elastic-EP ScalingMiddleware does while it scales."""
     log_level: str = "info"

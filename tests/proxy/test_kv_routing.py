@@ -164,34 +164,48 @@ def test_after_a_clear_the_prefix_no_longer_draws_requests(fleet: Fleet) -> None
     assert routed(second, [*ids, 98]) == placed
 
 
-def test_a_replica_started_after_the_events_catches_up_through_replay(fleet: Fleet) -> None:
-    ids = prefix(21)
+@pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
+def test_a_replica_started_after_the_events_routes_its_first_request_on_them(fleet: Fleet, frames: int) -> None:
+    node = fleet.nodes["c"]
+    node.configure(kv_replay_frames=frames)  # vLLM 0.32's replay answers, or older vLLM's
+    ids = prefix(20 + frames)
     announce(fleet, "c", ids)
-    late = fleet.proxy()
+    late = ProxyProc(fleet.root, "--etcd", fleet.etcd.endpoint, "--scrape-load", "0", name=f"late{frames}")
     try:
-        assert kv_state(late, fleet.nodes["c"])["replays"] >= 1
-        assert routed(late, [*ids, 7]) == fleet.nodes["c"].host_port
-        assert decisions(late)["cached_prefix"] == 1
+        # Ready (what an L4 balancer's health check asks) only once the nodes' replays are in: its very first
+        # request goes by what the nodes held before it started.
+        wait_until(lambda: late.get("/ready").status_code == 200, 20, "the late replica ready")
+        assert routed(late, [*ids, 7]) == node.host_port
+        assert decisions(late).get("cached_prefix") == 1
+        state = kv_state(late, node)
+        assert state["replays"] >= 1 and state["malformed"] == 0
     finally:
         late.stop()
+        node.configure(kv_replay_frames=4)
 
 
-def test_a_gap_is_filled_from_the_replay_socket_and_a_malformed_frame_changes_nothing_else(fleet: Fleet) -> None:
+@pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
+def test_a_gap_is_filled_from_the_replay_socket_and_a_malformed_frame_changes_nothing_else(
+    fleet: Fleet, frames: int
+) -> None:
     node = fleet.nodes["a"]
     proxy = fleet.proxies[0]
     before = kv_state(proxy, node)
     node.configure(kv_events_drop=1)
-    dropped = prefix(31)
+    node.configure(kv_replay_frames=frames)
+    seed = 100 + 10 * frames  # prompts of their own for each form
+    dropped = prefix(seed)
     send(node, dropped)
-    announce(fleet, "a", prefix(32), [proxy])  # the next batch shows the gap, the replay brings the dropped one
+    announce(fleet, "a", prefix(seed + 1), [proxy])  # the next batch shows the gap, the replay brings the dropped one
     assert routed(proxy, [*dropped, 5]) == node.host_port
     node.configure(kv_events_corrupt=1)
-    send(node, prefix(33))
-    announce(fleet, "a", prefix(34), [proxy])
+    send(node, prefix(seed + 2))
+    announce(fleet, "a", prefix(seed + 3), [proxy])
     after = kv_state(proxy, node)
     assert after["gaps"] == before["gaps"] + 1 and after["replays"] >= before["replays"] + 1
     assert after["malformed"] == before["malformed"] + 1 and after["restarts"] == before["restarts"]
-    assert routed(proxy, [*prefix(32), 5]) == node.host_port  # what it held before is still known
+    assert routed(proxy, [*prefix(seed + 1), 5]) == node.host_port  # what it held before is still known
+    node.configure(kv_replay_frames=4)
 
 
 def test_token_ids_of_the_generate_route_find_their_cached_prefix_too(fleet: Fleet) -> None:

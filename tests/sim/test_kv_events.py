@@ -90,8 +90,12 @@ def test_stores_evictions_and_clears_follow_the_cache(node: tuple[SimNode, str, 
     assert [e["type"] for e in batch(sub.recv_multipart())[1]] == ["AllBlocksCleared"]
 
 
-def test_replay_answers_buffered_batches_then_minus_one(node: tuple[SimNode, str, str], sub: zmq.Socket[bytes]) -> None:
+@pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
+def test_replay_answers_buffered_batches_then_minus_one(
+    node: tuple[SimNode, str, str], sub: zmq.Socket[bytes], frames: int
+) -> None:
     sim, _, replay = node
+    sim.configure(kv_replay_frames=frames)
     first, _ = batch(subscribed(sim, sub))
     sim.configure(kv_events_drop=1)
     complete(sim, PROMPT)  # numbered and kept, not sent
@@ -103,10 +107,14 @@ def test_replay_answers_buffered_batches_then_minus_one(node: tuple[SimNode, str
     dealer.send_multipart([b"", (first + 1).to_bytes(8, "big")])
     answers = []
     while True:
-        empty, seq, payload = dealer.recv_multipart()
-        assert empty == b""
+        answer = dealer.recv_multipart()
+        assert len(answer) == frames and answer[0] == b""
+        # vLLM 0.32: [b"", topic, seq, payload], the end [b"", b"", -1, b""]; older: [b"", seq, payload]
+        topic, seq, payload = answer[1:] if frames == 4 else (None, *answer[1:])
         if int.from_bytes(seq, "big", signed=True) == -1:
+            assert payload == b"" and topic in (None, b"")
             break
+        assert topic in (None, b"kv")
         answers.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)[1]))
     dealer.close(0)
     assert [s for s, _ in answers] == [first + 1, first + 2]
