@@ -75,6 +75,17 @@ class KvEventsConfig:
         return cls(endpoint=endpoint, replay_endpoint=replay, topic=topic, buffer_steps=steps)
 
 
+def _extra_keys(blocks: int, lora: str | None, salt: str | None) -> list[tuple[str, ...] | None]:
+    """``extra_keys`` as vLLM 0.32 publishes them (``to_event_extra_keys``): one entry per block, None or the
+    untagged keys mixed into its hash, in vLLM's order: the adapter's name (every block), media (none here),
+    the cache_salt (the request's first block only)."""
+    keys: list[tuple[str, ...] | None] = []
+    for i in range(blocks):
+        entry = (*(() if lora is None else (lora,)), *((salt,) if salt is not None and i == 0 else ()))
+        keys.append(entry or None)
+    return keys
+
+
 def _bindable(endpoint: str) -> str:
     # zmq binds tcp://*:P itself; "[::]" needs IPv6 switched on, "::" alone is vLLM's spelling of it.
     return endpoint.replace("tcp://[::]", "tcp://*").replace("tcp://:::", "tcp://*:")
@@ -92,6 +103,7 @@ class Publisher:
         self._events: list[Any] = []
         self._flush_planned = False
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._lora_ids: dict[str, int] = {}
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -111,17 +123,30 @@ class Publisher:
         mixed = blake2b(self._seed + block, digest_size=16).digest()
         return mixed if self._knobs.kv_events_hash == "bytes" else int.from_bytes(mixed[:8], "big")
 
-    def stored(self, parent: bytes | None, blocks: Sequence[bytes], token_ids: Sequence[int]) -> None:
+    def stored(
+        self,
+        parent: bytes | None,
+        blocks: Sequence[bytes],
+        token_ids: Sequence[int],
+        *,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         fields = {
             "block_hashes": [self._hash(b) for b in blocks],
             "parent_block_hash": None if parent is None else self._hash(parent),
             "token_ids": list(token_ids),
             "block_size": self._block_size,
-            "lora_id": None,
+            "lora_id": None if lora is None else self._lora_id(lora),
             "medium": MEDIUM,
-            "lora_name": None,
+            "lora_name": lora,
+            "extra_keys": _extra_keys(len(blocks), lora, salt),
         }
         self._add("BlockStored", fields)
+
+    def _lora_id(self, name: str) -> int:
+        """vLLM's ``lora_int_id``: a number per adapter, counted from 1 in the order the node first used them."""
+        return self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
 
     def removed(self, blocks: Sequence[bytes]) -> None:
         self._add("BlockRemoved", {"block_hashes": [self._hash(b) for b in blocks], "medium": MEDIUM})

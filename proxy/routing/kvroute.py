@@ -51,13 +51,15 @@ KIND_OF_PATH: Mapping[str, Kind] = {
 
 
 class KvPrompt:
-    """One request's token ids, with their block keys per (block size, adapter), computed when first asked."""
+    """One request's token ids, with their block keys per (block size, adapter), computed when first asked.
+    ``salt``: the request's ``cache_salt`` ("": none), which vLLM mixes into its first block's hash."""
 
-    __slots__ = ("ids", "model", "_keys")
+    __slots__ = ("ids", "model", "salt", "_keys")
 
-    def __init__(self, ids: Sequence[int], model: str) -> None:
+    def __init__(self, ids: Sequence[int], model: str, salt: str = "") -> None:
         self.ids = ids
         self.model = model
+        self.salt = salt
         self._keys: dict[tuple[int, str], list[int]] = {}
 
     def keys(self, block_size: int, lora: str = "") -> list[int]:
@@ -66,7 +68,7 @@ class KvPrompt:
         found = self._keys.get((block_size, lora))
         if found is None:
             found = self._keys[(block_size, lora)] = chain(
-                self.ids, block_size, lora, (len(self.ids) - 1) // block_size
+                self.ids, block_size, lora, (len(self.ids) - 1) // block_size, self.salt
             )
         return found
 
@@ -77,4 +79,7 @@ def read_prompt(prompt_ids: PromptIds, model: str, path: str, body: Mapping[str,
     if kind is None:
         return None
     ids = prompt_ids(model, body, kind)
-    return KvPrompt(ids, model) if ids else None
+    if not ids:
+        return None
+    salt = body.get("cache_salt")
+    return KvPrompt(ids, model, salt if isinstance(salt, str) else "")

@@ -91,24 +91,24 @@ def prefix(seed: int, blocks: int = 3) -> list[int]:
     return [seed * 100 + i for i in range(blocks * BS)]  # within the simulated vocabulary
 
 
-def send(node: SimNode, ids: list[int]) -> None:
+def send(node: SimNode, ids: list[int], **fields: Any) -> None:
     """A completion sent to the node itself, not through a proxy: its cache stores the prompt's full blocks."""
-    body = {"model": "sim-model", "prompt": [*ids, 1], "max_tokens": 1}
+    body = {"model": "sim-model", "prompt": [*ids, 1], "max_tokens": 1, **fields}
     assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=10).status_code == 200
 
 
-def announce(fleet: Fleet, name: str, ids: list[int], proxies: list[ProxyProc] | None = None) -> None:
+def announce(fleet: Fleet, name: str, ids: list[int], proxies: list[ProxyProc] | None = None, **fields: Any) -> None:
     """``send``, then wait until every replica took in the node's batch for it."""
     node, proxies = fleet.nodes[name], proxies or fleet.proxies
     before = [kv_state(p, node)["batches"] for p in proxies]
-    send(node, ids)
+    send(node, ids, **fields)
     for proxy, seen in zip(proxies, before, strict=True):
         wait_until(lambda p=proxy, n=seen: kv_state(p, node)["batches"] > n, 10, f"{name}'s events on {proxy}")
 
 
-def routed(proxy: ProxyProc, ids: list[int]) -> str:
+def routed(proxy: ProxyProc, ids: list[int], **fields: Any) -> str:
     """The node a token-id completion went to through ``proxy``."""
-    answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": ids, "max_tokens": 1})
+    answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": ids, "max_tokens": 1, **fields})
     assert answer.status_code == 200, answer.text
     return answer.headers["x-sim-node"]
 
@@ -146,6 +146,21 @@ def test_a_prefix_a_node_announced_draws_its_requests_through_every_replica(flee
     state = kv_state(fleet.proxies[1], fleet.nodes["b"])
     assert state["connected"] and state["blocks_indexed"] >= 6 and state["block_size"] == BS
     assert state["malformed"] == state["gaps"] == state["restarts"] == 0
+
+
+def test_a_salted_prompt_is_cached_only_for_its_own_salt(fleet: Fleet) -> None:
+    # vLLM mixes cache_salt into the first block's hash: tenants that salt for isolation share no block, so a
+    # prompt cached under one salt must not draw another salt's (or an unsalted) request.
+    ids = prefix(61)
+    announce(fleet, "b", ids, cache_salt="tenant-a")
+    proxy = fleet.proxies[0]
+    before = decisions(proxy)
+    assert routed(proxy, [*ids, 5], cache_salt="tenant-a") == fleet.nodes["b"].host_port
+    middle = decisions(proxy)
+    assert middle["cached_prefix"] == before["cached_prefix"] + 1
+    routed(proxy, [*ids, 6], cache_salt="tenant-b")
+    routed(proxy, [*ids, 7])
+    assert decisions(proxy)["cached_prefix"] == middle["cached_prefix"]  # both placed as new, by load
 
 
 def test_after_a_clear_the_prefix_no_longer_draws_requests(fleet: Fleet) -> None:

@@ -46,8 +46,8 @@ def sub(node: tuple[SimNode, str, str]) -> Iterator[zmq.Socket[bytes]]:
     context.term()
 
 
-def complete(sim: SimNode, prompt: list[int]) -> None:
-    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+def complete(sim: SimNode, prompt: list[int], **fields: Any) -> None:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1, **fields}
     assert httpx.post(f"{sim.url}/v1/completions", json=body, timeout=10).status_code == 200
 
 
@@ -81,6 +81,7 @@ def test_stores_evictions_and_clears_follow_the_cache(node: tuple[SimNode, str, 
     assert len(stored) == 1 and stored[0]["token_ids"] == PROMPT[:8] and stored[0]["block_size"] == BS
     assert stored[0]["parent_block_hash"] is None and len(stored[0]["block_hashes"]) == 2
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in stored[0]["block_hashes"])
+    assert stored[0]["extra_keys"] == [None, None] and stored[0]["lora_name"] is None
     # Six blocks of capacity: two more prompts of two blocks each evict the oldest free ones.
     complete(sim, list(range(200, 210)))
     complete(sim, list(range(300, 310)))
@@ -88,6 +89,21 @@ def test_stores_evictions_and_clears_follow_the_cache(node: tuple[SimNode, str, 
     assert any(e["type"] == "BlockRemoved" for e in seen)
     assert httpx.post(f"{sim.url}/reset_prefix_cache", timeout=5).status_code == 200
     assert [e["type"] for e in batch(sub.recv_multipart())[1]] == ["AllBlocksCleared"]
+
+
+def test_a_salted_request_stores_blocks_of_its_own_with_the_salt_in_its_first_blocks_extra_keys(
+    node: tuple[SimNode, str, str], sub: zmq.Socket[bytes]
+) -> None:
+    sim, _, _ = node
+    batch(subscribed(sim, sub))
+    complete(sim, PROMPT, cache_salt="tenant-a")
+    (plain,) = batch(sub.recv_multipart())[1]
+    complete(sim, PROMPT, cache_salt="tenant-b")  # the same tokens, another salt: new blocks, new hashes
+    (other,) = [e for e in batch(sub.recv_multipart())[1] if e["type"] == "BlockStored"]
+    # vLLM 0.32's to_event_extra_keys: one entry per block, the salt (untagged) on the request's first only.
+    assert plain["extra_keys"] == [["tenant-a"], None] and other["extra_keys"] == [["tenant-b"], None]
+    assert plain["token_ids"] == other["token_ids"] == PROMPT[:8]
+    assert set(plain["block_hashes"]).isdisjoint(other["block_hashes"])
 
 
 @pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
