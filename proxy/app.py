@@ -36,9 +36,9 @@ from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
-from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
+from vllm_etcd_proxy.proxy.operations.poolmetrics import PoolCollector
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import (
     AFFINITY_POLICIES,
@@ -56,8 +56,9 @@ from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
 from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.telemetry.spans import make_tracer
 from vllm_etcd_proxy.proxy.tenancy.setup import build_tenancy
-from vllm_etcd_proxy.proxy.tracing.spans import make_tracer
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
 from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
 from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICY_NAMES
 from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
-from vllm_etcd_proxy.proxy.tracing.spans import traces_endpoint
+from vllm_etcd_proxy.proxy.telemetry.spans import traces_endpoint
 
 ENV_PREFIX = "VLLM_PROXY_"
 LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer", "kv_events"}

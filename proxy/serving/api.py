@@ -24,7 +24,6 @@ from vllm_etcd_proxy.fleet.adapters import Adapter
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ClientLeft, ModelNotFound, NodeAdminRefused, NoNodeAvailable, ProxyError
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.affinity import Hints, PrefixIndex, route_hints
 from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
 from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, PromptIds, read_prompt, token_id_prompt
@@ -40,8 +39,9 @@ from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.serving.routes import Kind, classify, metric_route, response_id_of
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.telemetry.spans import RequestTrace, Tracer, split_trace_headers
 from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy, Ticket
-from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace, Tracer, split_trace_headers
 
 FORWARDED_METHODS = frozenset(["GET", "POST", "PUT", "PATCH", "DELETE"])
 _MIXED_ROLES = (Role.MIXED, Role.DECODE)

@@ -26,7 +26,7 @@ from vllm_etcd_proxy.proxy.serving.bodies import with_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.settings import TimeoutSettings
-from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace
+from vllm_etcd_proxy.proxy.telemetry.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 

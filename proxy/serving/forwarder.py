@@ -19,11 +19,11 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
 from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 from vllm_etcd_proxy.proxy.settings import ProxySettings
-from vllm_etcd_proxy.proxy.tracing.spans import LegSpan, RequestTrace
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.telemetry.spans import LegSpan, RequestTrace
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from starlette.types import Message, Receive, Send
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, UpstreamFailed, render, sse_error_event
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream, client_headers
 from vllm_etcd_proxy.proxy.serving.resume import (
     DONE,
@@ -27,6 +26,7 @@ from vllm_etcd_proxy.proxy.serving.resume import (
     error_event_at,
     progress,
 )
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 

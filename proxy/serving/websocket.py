@@ -22,12 +22,12 @@ from websockets.typing import Subprotocol
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError, UpstreamFailed
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys
 from vllm_etcd_proxy.proxy.serving.parsing import read_headers
 from vllm_etcd_proxy.proxy.serving.wsrelay import CLOSE_TIMEOUT, Denied, Link, Session, reason_text
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,7 @@ def make_tracer(endpoint: str | None, service_name: str = "vllm-proxy") -> Trace
     if endpoint is None:
         return None
     try:
-        from vllm_etcd_proxy.proxy.tracing.otel import OtelTracer
+        from vllm_etcd_proxy.proxy.telemetry.otel import OtelTracer
     except ImportError as exc:
         raise TracingUnavailable(
             f"--otlp-traces-endpoint needs OpenTelemetry ({exc.name} is missing): pip install 'vllm-etcd-proxy[otel]'"
