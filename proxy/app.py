@@ -49,15 +49,30 @@ from vllm_etcd_proxy.proxy.routing.balancer import (
 )
 from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
 from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
+from vllm_etcd_proxy.proxy.routing.kvroute import PromptIds
 from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
+from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
+from vllm_etcd_proxy.proxy.serving.layers import (
+    Accounting,
+    Admission,
+    Concurrency,
+    Handler,
+    Keys,
+    PickFlow,
+    ReadRequest,
+    Tracing,
+)
+from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits
+from vllm_etcd_proxy.proxy.serving.relay import Relay
 from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
-from vllm_etcd_proxy.proxy.telemetry.spans import make_tracer
+from vllm_etcd_proxy.proxy.telemetry.spans import Tracer, make_tracer
+from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
 from vllm_etcd_proxy.proxy.tenancy.setup import build_tenancy
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
@@ -126,6 +141,54 @@ class ProxyApp:
         await self._app(scope, receive, send)
 
 
+def request_path(
+    settings: ProxySettings,
+    pool: Pool,
+    forwarder: Forwarder,
+    metrics: ProxyMetrics,
+    *,
+    keys: ClientKeys,
+    tracer: Tracer | None,
+    adapters: AdapterLoader,
+    tenancy: Tenancy | None,
+    kv: KvRouting,
+    prompt_ids: PromptIds,
+    affinity: bool,
+) -> Handler:
+    """The layers a proxied request goes through (serving/layers.py), outermost first; the optional ones only
+    when configured."""
+    flows = Flows(
+        pool,
+        forwarder,
+        adapters,
+        kv,
+        first_byte_timeout=settings.timeouts.first_byte,
+        prefill_timeout=settings.timeouts.prefill,
+        pd_min_prompt_tokens=settings.pd_min_prompt_tokens,
+    )
+    path: Handler = Relay(metrics, flows, settings.max_resumes)
+    if settings.max_concurrent:
+        path = Concurrency(path, ConcurrencyLimit(settings.max_concurrent))
+    if tenancy is not None:
+        path = Admission(path, tenancy)
+    path = PickFlow(path, flows)
+    limits = BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout)
+    path = ReadRequest(
+        path,
+        pool.models,
+        kv,
+        prompt_ids,
+        limits,
+        affinity=affinity,
+        count_uncached=settings.pd_min_prompt_tokens > 0,
+        resumes=settings.max_resumes > 0,
+    )
+    path = Keys(path, keys)
+    if tracer is not None:
+        path = Tracing(path, tracer)
+    return Accounting(path, metrics)
+
+
 def build_app(settings: ProxySettings, transport: Transport | None = None, *, wait_ready: float = 0.0) -> ProxyApp:
     """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own).
 
@@ -180,7 +243,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         for role in Role
     }
     ejector = Ejector(pool, client, settings.ejection)
-    forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
     etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
     backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
     prober = ModelProber(pool, client, settings.models_refresh, backend_auth, rate=settings.models_probe_rate)
@@ -195,6 +257,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     pool.on_node(prompt_tokens.node_seen)
     adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
     loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
+    forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector, narrow=loader.narrow)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -286,20 +349,24 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         lifespan=lifespan,
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
     )
-    openai = OpenAIRoutes(
+    path = request_path(
         settings,
         pool,
         forwarder,
         metrics,
-        ConcurrencyLimit(settings.max_concurrent),
-        operator_app,
         keys=keys,
-        websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
-        affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
         tracer=tracer,
         adapters=loader,
         tenancy=tenancy.tenancy,
         kv=kv_routing,
         prompt_ids=prompt_tokens.prompt_ids,
+        affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
+    )
+    openai = OpenAIRoutes(
+        path,
+        WebSocketProxy(pool, policies, keys, metrics, settings),
+        operator_app,
+        session_header=settings.affinity_header,
+        backend_api_key=settings.backend_api_key,
     )
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)
