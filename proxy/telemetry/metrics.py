@@ -192,6 +192,12 @@ class ProxyMetrics:
         self.client_disconnects = Counter(
             "vllm_proxy_client_disconnects", "Requests whose client went away before the end.", registry=registry
         )
+        self.task_crashes = Counter(
+            "vllm_proxy_background_task_crashes",
+            "Background loops (probes, scrapes, discovery...) that failed and were restarted, by task.",
+            ["task"],
+            registry=registry,
+        )
         self.resumes = Counter(
             "vllm_proxy_resumes",
             "Streams whose node failed mid-way, by what followed: resumed (a continuation "
