@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ttl", metavar="S", help=f"lease TTL in seconds, {MIN_TTL}-{MAX_TTL} (default: 10)")
     add("--models", metavar="auto|A,B", help="served models, or auto to ask GET /v1/models (default: auto)")
     add("--label", metavar="K=V", action="append", help="a label for the record; repeatable")
-    add("--drain-timeout", metavar="S", help="longest wait on SIGTERM for in-flight requests (default: 30)")
+    add(
+        "--drain-timeout",
+        metavar="S",
+        help="longest wait on SIGTERM for in-flight requests; in wrapper mode also how long the command gets "
+        "between SIGTERM and SIGKILL if the registrar is killed (default: 30)",
+    )
     add("--health-interval", metavar="S", help="seconds between health checks (default: 2)")
     add("--health-timeout", metavar="S", help="seconds one probe request may take (default: 2)")
     add("--unhealthy-after", metavar="N", help="failed checks in a row before withdrawal (default: 3)")

@@ -167,4 +167,6 @@ if __name__ == "__main__":
     # Run this module as imported under its own name, so that log lines name it (not "__main__").
     from vllm_etcd_proxy.registrar.supervisor import main as supervised_main
 
-    sys.exit(supervised_main())
+    code = supervised_main()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: the registrar learns the command's code some 10 ms sooner
