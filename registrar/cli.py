@@ -20,6 +20,7 @@ from typing import NoReturn
 from vllm_etcd_proxy.fleet.etcd import DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
 from vllm_etcd_proxy.registrar.kvconfig import from_child, published
 from vllm_etcd_proxy.registrar.runner import Runner
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With '-- COMMAND', run the node as a child process too.",
         epilog=f"Every flag also reads {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}ETCD_PASSWORD; the flag wins.",
     )
+    add_version_flag(p)
     add = p.add_argument
     add("--etcd", metavar="URL[,URL...]", help="etcd endpoints (required)")
     add("--role", metavar="ROLE", help="prefill, decode or mixed (required)")
