@@ -5,17 +5,17 @@ In wrapper mode the registrar does not run the command itself but
 process group (so a terminal's Ctrl-C still reaches the registrar alone). The supervisor asks Linux for a signal
 when its parent dies (``PR_SET_PDEATHSIG``), starts the command in its group, forwards the signals it gets to the
 command, and exits with the command's code (128+N for death by signal N). When the registrar dies instead (SIGKILL,
-the OOM killer, a crashed supervisor of its own), it sends SIGTERM to the whole group (vLLM and the engine-core
-processes it started), waits ``--grace`` seconds (the registrar's ``--drain-timeout``), then SIGKILLs the group,
-itself included: nobody is left to report to.
+the OOM killer), it sends SIGTERM to the whole group (vLLM and the engine-core processes it started), waits
+``--grace`` seconds (the registrar's ``--drain-timeout``), then SIGKILLs the group, itself included: nobody is left
+to report to.
 
 Why a process of ours rather than PDEATHSIG on the command: the death signal reaches only the direct child, and
 once the registrar is dead nobody would be left to send the SIGKILL after the grace. The death signal is only a
 wake-up: the parent counts as dead when ``getppid()`` stops naming it, checked right after arming (the registrar may
 have died before) and on every signal. The kernel sends the death signal whenever the *thread* we are attached to
 exits (we then move to another thread of the registrar, or to init once it has none) and keeps it armed, so a
-false alarm costs one check. Idle, the supervisor sleeps in ``sigwaitinfo``: no
-timer, no poll. Only the standard library is imported, to start fast.
+false alarm costs one check. Idle, the supervisor sleeps in ``sigwaitinfo``: no timer, no poll. It imports the
+standard library and errors.py only, to start fast. Linux only (prctl, real-time signals), as is vLLM.
 """
 
 from __future__ import annotations
@@ -69,15 +69,11 @@ def _parse(argv: Sequence[str]) -> tuple[int, float, list[str]]:
     return parent, grace, command
 
 
-def _set_death_signal(sig: int) -> bool:
-    """Ask for ``sig`` when our parent exits; False where the system has no prctl (not Linux)."""
-    prctl = getattr(_LIBC, "prctl", None)
-    if prctl is None:
-        return False
-    if prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+def _set_death_signal(sig: int) -> None:
+    """Ask Linux for ``sig`` when our parent (thread) exits."""
+    if _LIBC.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
         error = ctypes.get_errno()
         raise OSError(error, os.strerror(error))
-    return True
 
 
 def _in_command(supervisor: int) -> None:
@@ -145,8 +141,7 @@ def run(argv: Sequence[str]) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
     if os.getpgrp() != os.getpid():
         os.setpgid(0, 0)  # the group we stop must be ours alone, never the terminal's or the registrar's
-    if not _set_death_signal(DEATH_SIGNAL):
-        logger.warning("no prctl on this system: the command will not be stopped if the registrar is killed")
+    _set_death_signal(DEATH_SIGNAL)
     if os.getppid() != parent:
         logger.warning("registrar pid=%d died before the command started: not starting it", parent)
         return 1
