@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,15 +43,35 @@ StartRegistrar = Callable[..., Registrar]
 STUBBORN_CHILD = (
     sys.executable,
     "-c",
-    "import signal\n"
-    "signal.signal(signal.SIGTERM, lambda *_: print('ignoring', 'SIGTERM', flush=True))\n"
-    "print('stubborn', 'child', 'up', flush=True)\n"
-    "while True:\n"
-    "    signal.pause()\n",
+    textwrap.dedent(
+        """
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: print("ignoring", "SIGTERM", flush=True))
+        print("stubborn", "child", "up", flush=True)
+        while True:
+            signal.pause()
+        """
+    ),
 )
 """A wrapped command that outlives SIGTERM (a wedged vLLM); it never answers HTTP, so it is never registered.
 Its lines are printed in pieces: the registrar logs the command, and a test waiting for a line must not find it
 there."""
+
+ENGINE = textwrap.dedent(
+    """
+    import os, signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("engine", f"pid={os.getpid()}", flush=True)
+    signal.pause()
+    """
+)
+COMMAND_WITH_AN_ENGINE = (
+    sys.executable,
+    "-c",
+    f"import signal, subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {ENGINE!r}])\nsignal.pause()\n",
+)
+"""A wrapped command that dies of SIGTERM at once, with a process of its own in its group (vLLM's engine core)
+that outlives SIGTERM."""
 
 BAD_FLAGS = {
     "unknown role": ["--role", "gpu", "--url", "http://127.0.0.1:8100"],
@@ -405,6 +427,18 @@ def test_a_child_ignoring_sigterm_is_killed_after_the_drain_timeout_once_its_reg
     log = registrar.log()
     assert "still running 1.0s after SIGTERM: SIGKILL" in log
     assert log.count("ignoring SIGTERM") == 1  # asked once: the registrar's threads dying one by one are not asks
+
+
+def test_what_the_child_started_goes_too_once_the_child_is_gone(registrars: StartRegistrar) -> None:
+    registrar = registrars(f"http://{HOST}:{free_port()}", "--drain-timeout", "60", command=COMMAND_WITH_AN_ENGINE)
+    registrar.wait_for_log("engine pid=", timeout=15)
+    found = re.search(r"engine pid=(\d+)", registrar.log())
+    assert found is not None
+    engine = int(found[1])
+
+    registrar.kill()
+    # Well before the 60 s grace: the child died of the SIGTERM, so nothing is left to wait for.
+    wait_until(lambda: process_gone(engine), 20, "the child's engine process to be killed")
 
 
 def test_ctrl_c_reaches_the_registrar_alone_and_the_child_only_after_the_drain(
