@@ -468,6 +468,13 @@ def test_a_supervisor_whose_registrar_died_before_it_started_never_runs_the_comm
     assert not marker.exists()
 
 
+def test_a_command_that_cannot_be_run_exits_127_saying_so(etcd: EtcdServer, registrars: StartRegistrar) -> None:
+    registrar = registrars(f"http://{HOST}:{free_port()}", command=("no-such-vllm-xyz", "serve"))
+    assert registrar.wait(15) == 127
+    assert "vllm-registrar: error: cannot run 'no-such-vllm-xyz': No such file or directory" in registrar.log()
+    assert etcd.etcdctl("get", "--prefix", "/vllm", "--keys-only").strip() == ""
+
+
 def test_child_failing_before_it_is_ready_is_never_registered(etcd: EtcdServer, registrars: StartRegistrar) -> None:
     url = f"http://{HOST}:{free_port()}"
     registrar = registrars(url, command=("python3", "-c", "import sys; sys.exit(3)"))
