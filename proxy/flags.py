@@ -11,6 +11,7 @@ from ipaddress import ip_network
 from vllm_etcd_proxy.fleet.etcd import BURST_PAUSE, DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import read_password
 from vllm_etcd_proxy.fleet.records import kv_event_flags
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.proxy.discovery.ejection import PROBE_RATE as EJECT_PROBE_RATE
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
 from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vllm-proxy",
         description="OpenAI-compatible proxy for a vLLM fleet; nodes come from etcd and/or static flags.",
     )
+    add_version_flag(p)
     add = p.add_argument
     add("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     add("--port", type=int, default=8000, help="listen port (default 8000)")

@@ -20,6 +20,7 @@ from typing import NoReturn
 from vllm_etcd_proxy.fleet.etcd import DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
 from vllm_etcd_proxy.registrar.kvconfig import from_child, published
 from vllm_etcd_proxy.registrar.runner import Runner
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "With '-- COMMAND', run the node as a child process too.",
         epilog=f"Every flag also reads {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}ETCD_PASSWORD; the flag wins.",
     )
+    add_version_flag(p)
     add = p.add_argument
     add("--etcd", metavar="URL[,URL...]", help="etcd endpoints (required)")
     add("--role", metavar="ROLE", help="prefill, decode or mixed (required)")
@@ -53,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ttl", metavar="S", help=f"lease TTL in seconds, {MIN_TTL}-{MAX_TTL} (default: 10)")
     add("--models", metavar="auto|A,B", help="served models, or auto to ask GET /v1/models (default: auto)")
     add("--label", metavar="K=V", action="append", help="a label for the record; repeatable")
-    add("--drain-timeout", metavar="S", help="longest wait on SIGTERM for in-flight requests (default: 30)")
+    add(
+        "--drain-timeout",
+        metavar="S",
+        help="longest wait on SIGTERM for in-flight requests; in wrapper mode also how long the command gets "
+        "between SIGTERM and SIGKILL if the registrar is killed (default: 30)",
+    )
     add("--health-interval", metavar="S", help="seconds between health checks (default: 2)")
     add("--health-timeout", metavar="S", help="seconds one probe request may take (default: 2)")
     add("--unhealthy-after", metavar="N", help="failed checks in a row before withdrawal (default: 3)")

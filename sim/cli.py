@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from vllm_etcd_proxy.fleet.flags import environment_defaults
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-sim", description="A CPU-only simulated vLLM node (OpenAI-compatible API, vLLM wire format)."
     )
+    add_version_flag(parser)
 
     def add(flag: str, kind: type, default: object, help: str) -> None:
         parser.add_argument(flag, type=kind, default=default, help=help)
