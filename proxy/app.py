@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -34,11 +34,13 @@ from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
+from vllm_etcd_proxy.proxy.operations.hangup import Hangup
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
 from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
+from vllm_etcd_proxy.proxy.operations.tls import ServerTls, server_tls
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import (
     AFFINITY_POLICIES,
@@ -115,14 +117,27 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class ProxyApp:
     """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens, tls: ServerTls | None) -> None:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
         """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
+        self.ssl_context = tls.context if tls is not None else None
+        """The listener's server context (the same one for its whole life: SIGHUP reloads into it); None: plain
+        HTTP."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
+
+
+def _hangup(key_file: Callable[[], None] | None, tls: ServerTls | None, metrics: ProxyMetrics) -> Hangup:
+    """What SIGHUP re-reads: the key file, the TLS certificate (each when configured)."""
+    hangup = Hangup()
+    if key_file is not None:
+        hangup.on("--api-key-file", key_file)
+    if tls is not None:
+        hangup.on("TLS certificate", lambda: metrics.tls_reloaded(tls.reload()))
+    return hangup
 
 
 def build_app(settings: ProxySettings, transport: Transport | None = None, *, wait_ready: float = 0.0) -> ProxyApp:
@@ -154,11 +169,16 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     if unknown := set(kv_flags) - {*settings.prefill, *settings.decode, *settings.mixed}:
         raise ValueError(f"--kv-events names no static node: {', '.join(sorted(unknown))}")
 
+    tls = server_tls(settings.tls)
+    node_tls = settings.node_tls.context()  # one for every connection to https:// nodes, whoever makes it
     # Probes and the admin API: a few requests per node and minute.
-    client = stateless_client(timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False)
-    http = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=settings.max_connections)
+    client = stateless_client(
+        timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False, verify=node_tls
+    )
+    connect_timeout = settings.timeouts.connect
+    http = HttpTransport(connect_timeout=connect_timeout, max_connections=settings.max_connections, tls=node_tls)
     # The load scrapes' own connections (one per node): a node busy up to --max-connections is still scraped.
-    scrapes = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=1)
+    scrapes = HttpTransport(connect_timeout=connect_timeout, max_connections=1, tls=node_tls)
     if transport is None:
         transport = http
     chosen = dict(settings.policies)
@@ -194,6 +214,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     pool.on_node(prompt_tokens.node_seen)
     adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
     loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
+    hangup = _hangup(tenancy.reload, tls, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -225,6 +246,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
             )
             tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
         tasks += [asyncio.create_task(run(), name="tenancy") for run in tenancy.tasks]
+        tasks.append(asyncio.create_task(hangup.run(), name="sighup"))
         deadline = time.monotonic() + wait_ready
         while (
             time.monotonic() < deadline
@@ -292,7 +314,7 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         ConcurrencyLimit(settings.max_concurrent),
         operator_app,
         keys=keys,
-        websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
+        websockets=WebSocketProxy(pool, policies, keys, metrics, settings, node_tls),
         affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
         tracer=tracer,
         adapters=loader,
@@ -300,4 +322,4 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         kv=kv_routing,
         prompt_ids=prompt_tokens.prompt_ids,
     )
-    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)
+    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens, tls)
