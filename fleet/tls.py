@@ -38,7 +38,8 @@ class NodeTlsSettings:
             try:
                 context.load_cert_chain(self.cert, self.key, password=no_password)
             except (OSError, ssl.SSLError, ValueError) as exc:
-                raise ValueError(f"--node-cert {self.cert} / --node-key {self.key}: {ssl_reason(exc)}") from None
+                where = pair("--node-cert", self.cert, "--node-key", self.key)
+                raise ValueError(f"{where}: {ssl_reason(exc)}") from None
         context.set_alpn_protocols(["http/1.1"])
         return context
 
@@ -49,10 +50,23 @@ def no_password() -> str:
     raise ValueError("the private key is encrypted; give an unencrypted key file (readable by this user only)")
 
 
+_REASONS = {
+    "KEY_VALUES_MISMATCH": "the key is not the certificate's: ",
+    "NO_START_LINE": "not a PEM file: ",
+    "CERTIFICATE_VERIFY_FAILED": "the peer's certificate does not chain to a trusted CA: ",
+}
+
+
+def pair(cert_flag: str, cert: str, key_flag: str, key: str | None) -> str:
+    """How an error names a certificate and its key: the flags as given."""
+    return f"{cert_flag} {cert}" + (f" / {key_flag} {key}" if key else "")
+
+
 def ssl_reason(exc: BaseException) -> str:
     """An OSError's or SSLError's text, without the errno tuple around it."""
     if isinstance(exc, ssl.SSLError) and exc.reason:
-        return f"{exc.reason} ({exc.library or 'ssl'})"
+        said = _REASONS.get(exc.reason, "")
+        return f"{said}{exc.reason} ({exc.library or 'ssl'})"
     return str(getattr(exc, "strerror", None) or exc)
 
 

@@ -21,7 +21,7 @@ import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from vllm_etcd_proxy.fleet.tls import no_password, ssl_reason
+from vllm_etcd_proxy.fleet.tls import no_password, pair, ssl_reason
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,8 @@ class ServerTls:
         try:
             self.context.load_cert_chain(settings.certfile, settings.keyfile, password=no_password)
         except (OSError, ssl.SSLError, ValueError) as exc:
-            raise ValueError(
-                f"--ssl-certfile {settings.certfile} / --ssl-keyfile {settings.keyfile}: {ssl_reason(exc)}"
-            ) from None
+            where = pair("--ssl-certfile", settings.certfile, "--ssl-keyfile", settings.keyfile)
+            raise ValueError(f"{where}: {ssl_reason(exc)}") from None
         if settings.ca_certs:
             try:
                 self.context.load_verify_locations(settings.ca_certs)

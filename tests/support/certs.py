@@ -40,7 +40,9 @@ class CertAuthority:
         self.root = root
         self._key = str(root / "ca.key")
         self.pem = str(root / "ca.pem")
-        openssl("req", "-x509", *_KEY_ARGS, "-keyout", self._key, "-out", self.pem, "-days", "1", "-subj", f"/CN={name}")
+        openssl(
+            "req", "-x509", *_KEY_ARGS, "-keyout", self._key, "-out", self.pem, "-days", "1", "-subj", f"/CN={name}"
+        )
 
     def issue(self, name: str, *, client: bool = False, sans: str = "IP:127.0.0.1,DNS:localhost") -> Issued:
         """A certificate and key for ``name`` (files ``name.pem``, ``name.key`` in the CA's folder)."""
