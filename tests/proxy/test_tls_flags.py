@@ -67,4 +67,5 @@ def test_the_registrar_refuses_a_node_ca_bundle_it_cannot_read(tmp_path: Path) -
         "--node-ca-bundle",
         str(tmp_path / "missing.pem"),
     )
-    assert done.returncode == 2 and "--node-ca-bundle" in done.stderr and done.stderr.count("\n") == 1
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "--node-ca-bundle" in done.stderr and "No such file or directory" in done.stderr, done.stderr
