@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -36,11 +36,13 @@ from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
+from vllm_etcd_proxy.proxy.operations.hangup import Hangup
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.poolmetrics import PoolCollector
+from vllm_etcd_proxy.proxy.operations.tls import ServerTls, server_tls
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import (
     AFFINITY_POLICIES,
@@ -133,14 +135,27 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class ProxyApp:
     """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens, tls: ServerTls | None) -> None:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
         """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
+        self.ssl_context = tls.context if tls is not None else None
+        """The listener's server context (the same one for its whole life: SIGHUP reloads into it); None: plain
+        HTTP."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
+
+
+def _hangup(key_file: Callable[[], None] | None, tls: ServerTls | None, metrics: ProxyMetrics) -> Hangup:
+    """What SIGHUP re-reads: the key file, the TLS certificate (each when configured)."""
+    hangup = Hangup()
+    if key_file is not None:
+        hangup.on("--api-key-file", key_file)
+    if tls is not None:
+        hangup.on("TLS certificate", lambda: metrics.tls_reloaded(tls.reload()))
+    return hangup
 
 
 def static_pool(settings: ProxySettings) -> Pool:
@@ -174,12 +189,16 @@ class Replica:
         self.pool = pool = static_pool(settings)
         self.discovery_state = DiscoveryState(enabled=settings.etcd is not None)
         self.layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
+        self.tls = server_tls(settings.tls)
+        self.node_tls = node_tls = settings.node_tls.context()  # for every connection to https:// nodes
         # Probes and the admin API: a few requests per node and minute.
         connect = settings.timeouts.connect
-        self.client = stateless_client(timeout=httpx.Timeout(connect, read=30.0), follow_redirects=False)
-        self.http = HttpTransport(connect_timeout=connect, max_connections=settings.max_connections)
+        self.client = stateless_client(
+            timeout=httpx.Timeout(connect, read=30.0), follow_redirects=False, verify=node_tls
+        )
+        self.http = HttpTransport(connect_timeout=connect, max_connections=settings.max_connections, tls=node_tls)
         # The load scrapes' own connections (one per node): a node busy up to --max-connections is still scraped.
-        self.scrapes = HttpTransport(connect_timeout=connect, max_connections=1)
+        self.scrapes = HttpTransport(connect_timeout=connect, max_connections=1, tls=node_tls)
         # KV-cache events: a subscriber per publishing node feeds one index, which the kv-aware policy reads.
         kv_index = KvIndex()
         self.kv_subscribers = KvSubscribers(pool, kv_index)
@@ -205,6 +224,7 @@ class Replica:
             transport or self.http, pool, self.policies, settings, metrics, self.ejector, narrow=self.loader.narrow
         )
         self.supervisor = Supervisor(metrics.task_crashes)
+        self.hangup = _hangup(self.tenancy.reload, self.tls, metrics)
         for collector in self.collectors():
             registry.register(collector)
 
@@ -309,6 +329,7 @@ class Replica:
             supervise("etcd-discovery", discovery.run)
         for run in self.tenancy.tasks:
             supervise("tenancy", run)
+        supervise("sighup", self.hangup.run)
 
     async def _prune_connections(self) -> None:
         """Close, now and then, the idle connections of nodes that left."""
@@ -381,10 +402,10 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     )
     openai = OpenAIRoutes(
         replica.request_path(),
-        WebSocketProxy(replica.pool, replica.policies, replica.keys, replica.metrics, settings),
+        WebSocketProxy(replica.pool, replica.policies, replica.keys, replica.metrics, settings, replica.node_tls),
         operator_app,
         session_header=settings.affinity_header,
         backend_api_key=settings.backend_api_key,
     )
     header_limit = HeaderLimit(openai, max_bytes=settings.max_header_bytes)
-    return ProxyApp(header_limit, replica.lifecycle, replica.prompt_tokens)
+    return ProxyApp(header_limit, replica.lifecycle, replica.prompt_tokens, replica.tls)

@@ -139,7 +139,7 @@ class Runner:
         if s.command:
             await self._start_child(s.command)
         try:
-            async with NodeProbe(s.url, timeout=s.health_timeout) as probe:
+            async with NodeProbe(s.url, timeout=s.health_timeout, tls=s.node_tls.context()) as probe:
                 await self._serve(client, probe)
             return await self._finish_child()
         finally:

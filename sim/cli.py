@@ -124,6 +124,16 @@ def _parser() -> argparse.ArgumentParser:
     add("--kv-replay-frames", int, defaults.kv_replay_frames, "frames per replay answer: 4 (vLLM 0.32) or 3 (older)")
     add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
     add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
+    add("--ssl-certfile", str, "", "serve HTTPS with this PEM certificate chain (vLLM's flag)")
+    add("--ssl-keyfile", str, "", "its PEM private key, unless in --ssl-certfile's file (vLLM's flag)")
+    add("--ssl-ca-certs", str, "", "PEM CAs that client certificates must chain to (vLLM's flag)")
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=[0, 1, 2],
+        default=defaults.ssl_cert_reqs,
+        help="client certificates, the ssl module's numbers: 0 none, 1 optional, 2 required (vLLM's flag)",
+    )
     add("--log-level", str, defaults.log_level, "debug, info, warning, error")
     return parser
 
@@ -208,6 +218,10 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
         scaling=args.scaling,
+        ssl_certfile=args.ssl_certfile or None,
+        ssl_keyfile=args.ssl_keyfile or None,
+        ssl_ca_certs=args.ssl_ca_certs or None,
+        ssl_cert_reqs=args.ssl_cert_reqs,
         log_level=args.log_level,
     )
 
@@ -257,4 +271,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=SHUTDOWN_TIMEOUT,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs,
     )

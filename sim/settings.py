@@ -119,6 +119,14 @@ class SimSettings:
     ``[b"", seq, payload]`` (the end marker alike, with seq -1)."""
     scaling: bool = False
     """Answer every request (but /sim/*) with 503 as vLLM's elastic-EP ScalingMiddleware does while it scales."""
+    ssl_certfile: str | None = None
+    """Serve HTTPS with this PEM certificate (vLLM's --ssl-certfile); None: plain HTTP."""
+    ssl_keyfile: str | None = None
+    """Its PEM private key (vLLM's --ssl-keyfile)."""
+    ssl_ca_certs: str | None = None
+    """CAs client certificates must chain to (vLLM's --ssl-ca-certs)."""
+    ssl_cert_reqs: int = 0
+    """vLLM's --ssl-cert-reqs: 0 no client certificate, 1 optional, 2 required."""
     log_level: str = "info"
     """Python logging level name."""
 

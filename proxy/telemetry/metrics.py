@@ -219,6 +219,12 @@ class ProxyMetrics:
         self.admin_denied = Counter(
             "vllm_proxy_admin_denied", "Admin API calls refused (disabled or wrong key).", registry=registry
         )
+        self.tls_reloads = Counter(
+            "vllm_proxy_tls_reloads",
+            "Reloads of the replica's TLS certificate on SIGHUP, by outcome: ok, failed (the old one kept).",
+            ["outcome"],
+            registry=registry,
+        )
         self.loop_lag = Gauge(
             "vllm_proxy_event_loop_lag_seconds",
             "How late the event loop ran the last timer it was given: the "
@@ -357,6 +363,9 @@ class ProxyMetrics:
 
     def retry(self, role: Role) -> None:
         self._child(self.retries, role.value).inc()
+
+    def tls_reloaded(self, ok: bool) -> None:
+        self._child(self.tls_reloads, "ok" if ok else "failed").inc()
 
     async def watch_loop_lag(self) -> None:
         """Sample how late the loop wakes a sleeper, and flush the per-model figures, forever."""

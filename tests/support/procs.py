@@ -6,6 +6,7 @@ import errno
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -104,9 +105,9 @@ def process_gone(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] in ("Z", "X")
 
 
-def http_ok(url: str) -> bool:
+def http_ok(url: str, verify: ssl.SSLContext | bool = True) -> bool:
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
+        return httpx.get(url, timeout=1.0, verify=verify).status_code == 200
     except httpx.HTTPError:
         return False
 
