@@ -70,7 +70,7 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 class Server:
     """``python -m MODULE ARGS`` listening on 127.0.0.1:``port`` (or ``command``, which must listen there
-    itself); output goes to a log file."""
+    itself); output goes to a log file. ``env`` replaces this process's environment when given."""
 
     def __init__(
         self,
@@ -80,6 +80,7 @@ class Server:
         args: Sequence[str],
         log_dir: Path,
         command: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.port = port
@@ -92,7 +93,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
             )
 
     @property
@@ -167,11 +168,12 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         ready_path: str,
         *,
         command: Callable[[int], Sequence[str]] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Server:
         """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready).
         ``command(port)``, when given, is the whole command line instead of ``python -m module``."""
         port = self.port()
-        server = Server(name, module, port, args, self.log_dir, command(port) if command else None)
+        server = Server(name, module, port, args, self.log_dir, command(port) if command else None, env)
         self.servers.append(server)
         self._ready_paths[server.name] = ready_path
         return server
