@@ -71,7 +71,7 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 class Server:
     """``python -m MODULE ARGS`` listening on 127.0.0.1:``port`` (or ``command``, which must listen there
-    itself); output goes to a log file."""
+    itself); output goes to a log file. ``env`` replaces this process's environment when given."""
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class Server:
         log_dir: Path,
         command: Sequence[str] | None = None,
         tls: ssl.SSLContext | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """``tls``: the server speaks https, checked with this client context."""
         self.name = name
@@ -96,7 +97,7 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
             )
 
     @property
@@ -172,12 +173,13 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         *,
         command: Callable[[int], Sequence[str]] | None = None,
         tls: ssl.SSLContext | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Server:
         """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready).
         ``command(port)``, when given, is the whole command line instead of ``python -m module``; ``tls``: it
         speaks https, checked with this client context."""
         port = self.port()
-        server = Server(name, module, port, args, self.log_dir, command(port) if command else None, tls)
+        server = Server(name, module, port, args, self.log_dir, command(port) if command else None, tls, env)
         self.servers.append(server)
         self._ready_paths[server.name] = ready_path
         return server
