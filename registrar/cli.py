@@ -139,13 +139,7 @@ def _labels(items: Sequence[str] | None) -> dict[str, str]:
 
 def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     """Flags (plus environment) -> (settings, log level); raise ``UsageError`` saying what is wrong."""
-    argv = list(argv)
-    command: tuple[str, ...] = ()
-    if "--" in argv:
-        split = argv.index("--")
-        argv, command = argv[:split], tuple(argv[split + 1 :])
-        if not command:
-            raise UsageError("'--' must be followed by a command")
+    argv, command = _split_command(argv)
     parser = build_parser()
     try:
         environment_defaults(parser, ENV_PREFIX, argv, lists={"label"})
@@ -155,14 +149,63 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     for flag in ("etcd", "role", "url"):
         if not getattr(args, flag):
             raise UsageError(f"--{flag} is required (or {ENV_PREFIX}{flag.upper()})")
+    role = _role(args.role)
+    url = _url(args.url)
+    layout, node_id = _key(args, role, url)
+    models = _models(args.models)
+    etcd = _etcd(args)
+    node_tls = _node_tls(args)
+    kv_events, kv_replay = _kv_events(args, command, url)
+    settings = RegistrarSettings(
+        etcd=etcd,
+        role=role,
+        url=url,
+        node_tls=node_tls,
+        node_id=node_id,
+        cluster=layout.cluster,
+        prefix=layout.prefix,
+        ttl=_integer(args.ttl, "--ttl", 10, low=MIN_TTL, high=MAX_TTL),
+        models=models,
+        labels=_labels(args.label),
+        drain_timeout=_number(args.drain_timeout, "--drain-timeout", 30.0, low=0, high=24 * 3600),
+        health_interval=_number(args.health_interval, "--health-interval", 2.0, low=0.05, high=3600),
+        health_timeout=_number(args.health_timeout, "--health-timeout", 2.0, low=0.05, high=300),
+        unhealthy_after=_integer(args.unhealthy_after, "--unhealthy-after", 3, low=1, high=1000),
+        command=command,
+        kv_events=kv_events,
+        kv_events_replay=kv_replay,
+    )
+    return settings, _log_level(args.log_level)
+
+
+def _split_command(argv: Sequence[str]) -> tuple[list[str], tuple[str, ...]]:
+    """The registrar's own flags, and the wrapped command after ``--`` (empty for a sidecar)."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, ()
+    split = argv.index("--")
+    command = tuple(argv[split + 1 :])
+    if not command:
+        raise UsageError("'--' must be followed by a command")
+    return argv[:split], command
+
+
+def _role(text: str) -> Role:
     try:
-        role = Role(args.role)
+        return Role(text)
     except ValueError:
-        raise UsageError(f"--role must be prefill, decode or mixed, not {args.role!r}") from None
+        raise UsageError(f"--role must be prefill, decode or mixed, not {text!r}") from None
+
+
+def _url(text: str) -> str:
     try:
-        url = validate_url(args.url)
+        return validate_url(text)
     except InvalidRecord as exc:
         raise UsageError(f"--url: {exc}") from None
+
+
+def _key(args: argparse.Namespace, role: Role, url: str) -> tuple[KeyLayout, str]:
+    """The key's layout and node id, checked to make a key the proxies accept."""
     node_id = args.node_id or url_host_port(url)
     layout = KeyLayout(prefix=args.etcd_prefix or "/vllm", cluster=args.cluster or "default")
     if "/" in layout.cluster or not layout.cluster.strip():
@@ -171,11 +214,20 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         layout.parse_key(layout.key(role, node_id))
     except InvalidRecord:
         raise UsageError(f"--node-id must have no '/' or spaces and at most 255 characters: {node_id!r}") from None
-    models: tuple[str, ...] | None = None
-    if args.models is not None and args.models.strip() != "auto":
-        models = tuple(dict.fromkeys(m.strip() for m in args.models.split(",") if m.strip()))
-        if not models:
-            raise UsageError("--models must be auto or a comma-separated list of model names")
+    return layout, node_id
+
+
+def _models(text: str | None) -> tuple[str, ...] | None:
+    """``--models``: the names given, or None for auto (asked of the node)."""
+    if text is None or text.strip() == "auto":
+        return None
+    models = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    if not models:
+        raise UsageError("--models must be auto or a comma-separated list of model names")
+    return models
+
+
+def _etcd(args: argparse.Namespace) -> EtcdSettings:
     try:
         password = read_password(args.etcd_password, args.etcd_password_file)
     except ValueError as exc:
@@ -198,7 +250,12 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     for flag, path in (("--etcd-cacert", etcd.cacert), ("--etcd-cert", etcd.cert), ("--etcd-key", etcd.key)):
         if path is not None and not os.access(path, os.R_OK):
             raise UsageError(f"{flag} {path}: not a readable file")
-    node_tls = _node_tls(args)
+    return etcd
+
+
+def _kv_events(args: argparse.Namespace, command: tuple[str, ...], url: str) -> tuple[str | None, str | None]:
+    """The node's KV-event publisher and replay socket: the flags', else the wrapped command's
+    ``--kv-events-config``."""
     kv_events, kv_replay = from_child(command, url) if command else (None, None)
     if args.kv_events:
         kv_events, kv_replay = published(args.kv_events, url, "--kv-events"), None
@@ -206,26 +263,7 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         if not kv_events:
             raise UsageError("--kv-events-replay needs --kv-events (or the child's --kv-events-config)")
         kv_replay = published(args.kv_events_replay, url, "--kv-events-replay")
-    settings = RegistrarSettings(
-        etcd=etcd,
-        role=role,
-        url=url,
-        node_tls=node_tls,
-        node_id=node_id,
-        cluster=layout.cluster,
-        prefix=layout.prefix,
-        ttl=_integer(args.ttl, "--ttl", 10, low=MIN_TTL, high=MAX_TTL),
-        models=models,
-        labels=_labels(args.label),
-        drain_timeout=_number(args.drain_timeout, "--drain-timeout", 30.0, low=0, high=24 * 3600),
-        health_interval=_number(args.health_interval, "--health-interval", 2.0, low=0.05, high=3600),
-        health_timeout=_number(args.health_timeout, "--health-timeout", 2.0, low=0.05, high=300),
-        unhealthy_after=_integer(args.unhealthy_after, "--unhealthy-after", 3, low=1, high=1000),
-        command=command,
-        kv_events=kv_events,
-        kv_events_replay=kv_replay,
-    )
-    return settings, _log_level(args.log_level)
+    return kv_events, kv_replay
 
 
 def _node_tls(args: argparse.Namespace) -> NodeTlsSettings:
