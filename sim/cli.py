@@ -22,6 +22,11 @@ from vllm_etcd_proxy.sim.settings import Role, SimSettings
 SHUTDOWN_TIMEOUT = 3
 """Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""
 
+LoraList = tuple[tuple[str, str], ...]
+"""(name, path) of each adapter served."""
+LoraModule = tuple[str, str, str]
+"""(name, path, base model or "") of one --lora-modules value."""
+
 
 def _parser() -> argparse.ArgumentParser:
     defaults = SimSettings()
@@ -141,45 +146,15 @@ def _parser() -> argparse.ArgumentParser:
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> SimSettings:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if env is None else env
     try:
-        environ = os.environ if env is None else env
         environment_defaults(parser, "VLLM_SIM_", argv, lists={"model", "lora"}, environ=environ)
     except ValueError as exc:
         parser.error(str(exc))
     args = parser.parse_args(argv)
     models = args.model or ()
-    loras = tuple(_lora(spec) for spec in args.lora or ())
-    if any(not name for name, _ in loras):
-        parser.error("--lora needs a name: NAME or NAME=PATH")
-    groups = [[g] if isinstance(g, str) else g for g in args.lora_modules or ()]  # VLLM_SIM_LORA_MODULES: one
-    modules = [_lora_module(spec) for specs in groups for spec in specs]
-    if None in modules:
-        parser.error("--lora-modules takes NAME=PATH or a JSON object with name and path")
-    if modules and not args.enable_lora:
-        parser.error("--lora-modules needs --enable-lora")
-    found = [m for m in modules if m is not None]
-    loras += tuple((name, path) for name, path, _ in found)
-    if args.max_loras < 1:
-        parser.error("need --max-loras >= 1")
-    try:
-        role = Role(args.role)
-    except ValueError:
-        parser.error(f"--role must be one of {', '.join(Role)}")
-    if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
-        parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
-    if (
-        args.block_size < 1
-        or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown) < 0
-    ):
-        parser.error(
-            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown >= 0"
-        )
-    try:
-        KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
-    except ValueError as exc:
-        parser.error(f"--kv-events-config: {exc}")
-    if args.kv_replay_frames not in (3, 4):
-        parser.error("--kv-replay-frames must be 3 or 4")
+    loras, found = _loras(parser, args)
+    role = _checked(parser, args)
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -226,13 +201,54 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     )
 
 
+def _loras(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[LoraList, list[LoraModule]]:
+    """The adapters of --lora and --lora-modules, and the --lora-modules ones as given (with their base)."""
+    loras = tuple(_lora(spec) for spec in args.lora or ())
+    if any(not name for name, _ in loras):
+        parser.error("--lora needs a name: NAME or NAME=PATH")
+    groups = [[g] if isinstance(g, str) else g for g in args.lora_modules or ()]  # VLLM_SIM_LORA_MODULES: one
+    modules = [_lora_module(spec) for specs in groups for spec in specs]
+    if None in modules:
+        parser.error("--lora-modules takes NAME=PATH or a JSON object with name and path")
+    if modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    found = [m for m in modules if m is not None]
+    return loras + tuple((name, path) for name, path, _ in found), found
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Role:
+    """Exit with a usage error for a value the node cannot run with; returns the role."""
+    if args.max_loras < 1:
+        parser.error("need --max-loras >= 1")
+    try:
+        role = Role(args.role)
+    except ValueError:
+        parser.error(f"--role must be one of {', '.join(Role)}")
+    if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
+        parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
+    if (
+        args.block_size < 1
+        or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown) < 0
+    ):
+        parser.error(
+            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown >= 0"
+        )
+    try:
+        KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
+    except ValueError as exc:
+        parser.error(f"--kv-events-config: {exc}")
+    if args.kv_replay_frames not in (3, 4):
+        parser.error("--kv-replay-frames must be 3 or 4")
+    return role
+
+
 def _lora(spec: str) -> tuple[str, str]:
     """``NAME=PATH`` or ``NAME`` (its path then ``/adapters/NAME``)."""
     name, _, path = spec.partition("=")
     return name.strip(), path.strip() or f"/adapters/{name.strip()}"
 
 
-def _lora_module(spec: str) -> tuple[str, str, str] | None:
+def _lora_module(spec: str) -> LoraModule | None:
     """(name, path, base model or "") from one --lora-modules value, or None when it is neither form."""
     if spec.lstrip().startswith("{"):
         try:
