@@ -329,7 +329,8 @@ class Replica:
             supervise("etcd-discovery", discovery.run)
         for run in self.tenancy.tasks:
             supervise("tenancy", run)
-        supervise("sighup", self.hangup.run)
+        if self.hangup.configured:
+            supervise("sighup", self.hangup.run)
 
     async def _prune_connections(self) -> None:
         """Close, now and then, the idle connections of nodes that left."""
