@@ -6,6 +6,10 @@ message on its own: two ``send`` system calls for a JSON answer of one chunk, wh
 connection's transport gathers what is written during one turn of the loop and sends it at the end of that turn
 (``call_soon``): a response whose first body bytes follow its headers without waiting goes out in one write, and
 a stream whose node has not sent its first token yet still gets its headers at once (the next turn).
+
+It also tells the app when the client's connection is lost, through the scope's ``extensions``
+(serving/request.py's ``DisconnectHook``), so the request path learns of a client leaving
+without a task of its own waiting on ``receive()`` for every request.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import asyncio
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from vllm_etcd_proxy.proxy.serving.request import DISCONNECT_EXTENSION, DisconnectHook
 
 
 class GatheringTransport:
@@ -65,8 +71,18 @@ class GatheringTransport:
 
 
 class GatheringHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol over a ``GatheringTransport`` (pass the class as ``uvicorn.Config(http=...)``)."""
+    """uvicorn's httptools protocol over a ``GatheringTransport``, telling the app of a lost connection (pass the
+    class as ``uvicorn.Config(http=...)``)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        gathering = GatheringTransport(transport, self.loop)
-        super().connection_made(gathering)  # type: ignore[arg-type]
+        self._disconnect = DisconnectHook()
+        self._extensions: dict[str, dict[object, object]] = {DISCONNECT_EXTENSION: {"hook": self._disconnect}}
+        super().connection_made(GatheringTransport(transport, self.loop))  # type: ignore[arg-type]
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = self._extensions
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._disconnect.lost()
