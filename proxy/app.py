@@ -185,7 +185,7 @@ class Replica:
         self.settings = settings
         self.lifecycle = Lifecycle()
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.metrics = metrics = ProxyMetrics(registry)
+        self.metrics = metrics = ProxyMetrics(registry, immediate=bool(os.environ.get(METRICS_DIR_ENV)))
         self.pool = pool = static_pool(settings)
         self.discovery_state = DiscoveryState(enabled=settings.etcd is not None)
         self.layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
