@@ -185,7 +185,7 @@ class Replica:
         self.settings = settings
         self.lifecycle = Lifecycle()
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.metrics = metrics = ProxyMetrics(registry)
+        self.metrics = metrics = ProxyMetrics(registry, immediate=bool(os.environ.get(METRICS_DIR_ENV)))
         self.pool = pool = static_pool(settings)
         self.discovery_state = DiscoveryState(enabled=settings.etcd is not None)
         self.layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
@@ -329,7 +329,8 @@ class Replica:
             supervise("etcd-discovery", discovery.run)
         for run in self.tenancy.tasks:
             supervise("tenancy", run)
-        supervise("sighup", self.hangup.run)
+        if self.hangup.configured:
+            supervise("sighup", self.hangup.run)
 
     async def _prune_connections(self) -> None:
         """Close, now and then, the idle connections of nodes that left."""
