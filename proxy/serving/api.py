@@ -302,7 +302,8 @@ class OpenAIRoutes:
             uncached = request.uncached_tokens
             kv, prompt = self._kv, request.prompt
             if kv is not None and prompt is not None and self._pd_min_prompt_tokens:  # the index's exact count
-                uncached = kv.uncached(prompt, [s for r in Role for s in pool.candidates(r, model)], uncached)
+                candidates = [s for r in Role for s in pool.candidates(r, model)]
+                uncached = kv.uncached(prompt, candidates, uncached, self._pd_min_prompt_tokens)
             if uncached is not None and uncached < self._pd_min_prompt_tokens:
                 # So little of the prompt is new that a prefill leg costs more than it saves.
                 return "decode", self._one_leg(request, raw, (Role.DECODE, Role.MIXED), avoid)
