@@ -119,7 +119,7 @@ class ProxyApp:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
-        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
+        """Requests to token ids (``prompt_tokens.ids``), for routing on the nodes' cached blocks."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
@@ -298,6 +298,6 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
         adapters=loader,
         tenancy=tenancy.tenancy,
         kv=kv_routing,
-        prompt_ids=prompt_tokens.prompt_ids,
+        prompt_ids=prompt_tokens.ids,
     )
     return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)
