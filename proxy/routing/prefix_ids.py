@@ -9,11 +9,13 @@ keeps those that hold (neither: chats are tokenized whole). A rendered chat is c
 in a longer run of text, at the first word start past every ``SOFT_CUT`` characters.
 
 ``ChatIds`` works a rendered chat out piece by piece, only as far as the router asks (when no node holds the
-start of a prompt, the rest of it cannot be a hit, kvchoice.py), and keeps each piece's ids in ``PrefixIds``
-under a hash of the text up to the piece's end. A later prompt that begins with the same text -- the next turn,
-or another conversation with the same preamble, tool list or document -- reads those pieces back and tokenizes
-only what follows. Tokenizing in pieces is cheaper even when nothing is reused: the tokenizers library's cost
-per token grows with the length of the text it is given (bench/README.md).
+start of a prompt, the rest of it cannot be a hit, kvchoice.py). ``PrefixIds`` keeps the pieces it tokenizes as a
+tree: each piece with its text, its ids and the pieces that came after it in some prompt. A later prompt that
+begins with the same text -- the next turn, or another conversation with the same preamble, tool list or
+document -- walks down the tree comparing text (which runs at memory speed: the cached part of a prompt is
+neither searched for cuts nor hashed) and tokenizes only what follows. Tokenizing in pieces is cheaper even when
+nothing is reused: the tokenizers library's cost per token grows with the length of the text it is given
+(bench/README.md).
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from typing import Protocol
 from tokenizers import Tokenizer
 
 CACHE_TOKENS = 4_000_000
-"""Ids held by the prefix cache of one replica, over all models (8 bytes each: the ints are shared)."""
+"""Ids held by the prefix cache of one replica, over all models: 8 bytes each (the ints are shared) and their text
+(about 5 bytes per token of English), so about 50 MB at most."""
 SOFT_CUT = 4096
 """Characters of text at least between two cuts at word starts: about a thousand tokens, which a replica
-tokenizes in under a millisecond, where a piece read from the cache costs it about a microsecond."""
+tokenizes in under a millisecond, where a piece read back from the cache costs it about a microsecond."""
+PROBE = 16
+"""Leading characters that the pieces after a piece are found by (then compared whole)."""
 
 _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
 """A space between a non-space and a letter: where a soft cut goes (the space starts the next piece)."""
@@ -44,39 +49,99 @@ class Count(Protocol):
     def inc(self, amount: float = 1) -> None: ...
 
 
+class Piece:
+    """A piece of an earlier prompt's text (from one cut to the next), its ids, and the pieces that came after it."""
+
+    __slots__ = ("text", "ids", "special", "parent", "after", "after_short")
+
+    def __init__(self, text: str, ids: tuple[int, ...], special: int, parent: Piece | None) -> None:
+        self.text, self.ids, self.parent = text, ids, parent
+        self.special = special
+        """The length of the special token the piece ends with (0: it ends before a word)."""
+        self.after: dict[str, list[Piece]] = {}
+        """The pieces after it of ``PROBE`` characters or more, by their first ``PROBE``."""
+        self.after_short: list[Piece] = []
+
+    def children(self) -> list[Piece]:
+        return [*self.after_short, *(p for same in self.after.values() for p in same)]
+
+
+class EndsAt(Protocol):
+    def __call__(self, text: str, end: int, special: int, /) -> bool: ...
+
+
 class PrefixIds:
-    """Pieces' ids by the key of the text up to their end, least recently used first out, holding at most
-    ``max_tokens`` ids in all."""
+    """The pieces of earlier prompts as a tree (a root per tokenizer), least recently used first out, holding at
+    most ``max_tokens`` ids in all."""
 
     def __init__(self, max_tokens: int = CACHE_TOKENS) -> None:
         self._max = max_tokens
-        self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._roots: dict[int, Piece] = {}
+        self._used: OrderedDict[Piece, None] = OrderedDict()
         self.tokens = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._used)
 
-    def get(self, key: int) -> tuple[int, ...] | None:
-        return self._entries.get(key)
+    def root(self, salt: int) -> Piece:
+        """The empty start of every prompt of one tokenizer."""
+        found = self._roots.get(salt)
+        if found is None:
+            found = self._roots[salt] = Piece("", (), 0, None)
+        return found
 
-    def put(self, key: int, ids: tuple[int, ...]) -> None:
-        if key in self._entries or len(ids) > self._max:
-            return
-        self._entries[key] = ids
+    def after(self, piece: Piece, text: str, at: int, ends: EndsAt) -> Piece | None:
+        """The cached piece after ``piece`` that ``text`` goes on with at ``at``, if any (``ends``: whether a cut
+        of the piece's own text is one in ``text`` too)."""
+        for children in (piece.after_short, piece.after.get(text[at : at + PROBE])):
+            for child in children or ():
+                if text.startswith(child.text, at) and ends(text, at + len(child.text), child.special):
+                    return child
+        return None
+
+    def add(self, parent: Piece, text: str, ids: tuple[int, ...], special: int) -> Piece | None:
+        """Cache a piece after ``parent``; None when it is not cached (too big, or ``parent`` was dropped)."""
+        if len(ids) > self._max or (parent.parent is not None and parent not in self._used):
+            return None
+        piece = Piece(text, ids, special, parent)
+        if len(text) < PROBE:
+            parent.after_short.append(piece)
+        else:
+            parent.after.setdefault(text[:PROBE], []).append(piece)
+        self._used[piece] = None
         self.tokens += len(ids)
         while self.tokens > self._max:
-            _, old = self._entries.popitem(last=False)
-            self.tokens -= len(old)
+            self._drop(next(iter(self._used)))
+        return piece if piece in self._used else None
 
-    def used(self, keys: Sequence[int]) -> None:
+    def used(self, pieces: Sequence[Piece]) -> None:
         """A prompt's pieces were just read, its first piece first: marked used from the last to the first, so
-        that a piece stays at least as long as every piece after it (which is no use without it)."""
-        move = self._entries.move_to_end
-        for key in reversed(keys):
-            try:
-                move(key)
-            except KeyError:  # evicted meanwhile
-                pass
+        that a piece is dropped only after every piece after it (which is no use without it)."""
+        used, move = self._used, self._used.move_to_end
+        for piece in reversed(pieces):
+            if piece in used:
+                move(piece)
+
+    def _drop(self, piece: Piece) -> None:
+        """Forget a piece, and any after it (there are none, unless it was dropped while a prompt went on)."""
+        parent = piece.parent
+        if parent is not None:
+            if piece in parent.after_short:
+                parent.after_short.remove(piece)
+            else:
+                same = parent.after.get(piece.text[:PROBE], [])
+                if piece in same:
+                    same.remove(piece)
+                if not same:
+                    parent.after.pop(piece.text[:PROBE], None)
+        stack = [piece]
+        while stack:
+            gone = stack.pop()
+            if gone in self._used:
+                del self._used[gone]
+                self.tokens -= len(gone.ids)
+            stack += gone.children()
+            gone.after, gone.after_short = {}, []
 
 
 def _share(size: int) -> None:
@@ -129,23 +194,31 @@ class Splitter:
     def _hard_cuts(self, text: str) -> list[int]:
         return [m.end() for m in self._hard.finditer(text)] if self._hard else []
 
-    def cuts(self, text: str) -> list[int]:
-        """Where ``text`` is cut, in order: after each special token, and between two of them (or the ends) at
-        the first word start past every ``SOFT_CUT`` characters."""
-        hard = self._hard_cuts(text)
+    def cuts(self, text: str, start: int = 0) -> list[tuple[int, int]]:
+        """Where ``text`` is cut after ``start`` (a cut itself), in order: after each special token, and between two
+        of them (or the ends) at the first word start past every ``SOFT_CUT`` characters. Each cut with the length
+        of the special token it follows (0: it is a word start)."""
+        hard = [(m.end(), m.end() - m.start()) for m in self._hard.finditer(text, start)] if self._hard else []
         if not self._soft:
             return hard
-        cuts: list[int] = []
-        start = 0
-        for end in (*hard, len(text)):
+        cuts: list[tuple[int, int]] = []
+        for end, special in (*hard, (len(text), 0)):
             at = start + SOFT_CUT
             while at < end and (found := _WORD_START.search(text, at, end)) is not None:
-                cuts.append(found.start())
+                cuts.append((found.start(), 0))
                 at = found.start() + SOFT_CUT
-            cuts.append(end)
+            cuts.append((end, special))
             start = end
         cuts.pop()  # the end of the text
         return cuts
+
+    def ends_at(self, text: str, end: int, special: int) -> bool:
+        """Whether ``text`` is cut at ``end`` as another text that is the same up to there was (``special``: the
+        length of the special token it ended with there; 0: before a word)."""
+        if not special:
+            return _WORD_START.match(text, end) is not None
+        found = self._hard.match(text, end - special) if self._hard else None
+        return found is not None and found.end() == end  # not the start of a longer special token
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` tokenized whole, no special tokens added."""
@@ -163,10 +236,9 @@ class _CutsOf(Protocol):
 class ChatIds:
     """A rendered chat's ids (no special tokens added), worked out piece by piece as far as they are asked for.
 
-    A piece that an earlier prompt had (the same text from the start of the prompt to the piece's end, for the
-    same tokenizer: ``salt``) is read from ``cache``; any other is tokenized and cached, except the last piece
-    (the next turn's text goes on from it, so it is not cut there). The cached pieces from the start are read
-    at once (``reused``); the rest only when ``head`` or ``whole`` needs them.
+    The pieces an earlier prompt of the same tokenizer (``salt``) began with are read from ``cache`` at once
+    (``reused``); the others are tokenized when ``head`` or ``whole`` needs them, and cached, except the last
+    piece (the next turn's text goes on from it, so it is not cut there).
     """
 
     __slots__ = (
@@ -174,11 +246,11 @@ class ChatIds:
         "_cache",
         "_text",
         "_length",
+        "_node",
+        "_pieces",
         "_cuts",
         "_done",
         "_at",
-        "_key",
-        "_keys",
         "_ids",
         "_counts",
         "reused",
@@ -186,25 +258,27 @@ class ChatIds:
 
     def __init__(self, splitter: Splitter, cache: PrefixIds, salt: int, text: str, counts: tuple[Count, Count]) -> None:
         self._splitter, self._cache, self._text, self._length = splitter, cache, text, len(text)
-        self._cuts = splitter.cuts(text)
-        self._done = 0
-        """Pieces worked out (a piece ends at ``_cuts[i]``, the last one at the end of the text)."""
-        self._at = 0
-        """Characters of the text whose ids are known."""
-        self._key = salt
-        self._keys: list[int] = []
+        self._node: Piece | None = cache.root(salt)
+        """The last piece worked out, where the next is cached (None: it could not be, nor can what follows)."""
+        self._pieces: list[Piece] = []
         self._ids: list[int] = []
         self._counts = counts
         """(tokenized, reused) ids."""
+        self._at = 0
+        """Characters of the text whose ids are known."""
         self.reused = 0
         self._read_cached()
+        self._cuts = splitter.cuts(text, self._at)
+        self._done = 0
+        """Pieces worked out since the cached ones (the last one ends at the end of the text)."""
         if self.reused:
             counts[1].inc(self.reused)
-            cache.used(self._keys)
+            cache.used(self._pieces)
 
     @property
     def pieces(self) -> int:
-        return len(self._cuts) + 1
+        """The pieces the text is cut into."""
+        return len(self._pieces) + len(self._cuts) + 1
 
     @property
     def complete(self) -> bool:
@@ -214,49 +288,41 @@ class ChatIds:
     def head(self, count: int) -> list[int]:
         """At least the first ``count`` ids, or all of them when the prompt has fewer."""
         if len(self._ids) < count and not self.complete:
-            known, reused = len(self._ids), self.reused
+            known = len(self._ids)
             while len(self._ids) < count and not self.complete:
                 self._next()
-            self._counts[0].inc(len(self._ids) - known - (self.reused - reused))
-            if self.reused > reused:
-                self._counts[1].inc(self.reused - reused)
-            self._cache.used(self._keys)
+            self._counts[0].inc(len(self._ids) - known)
+            self._cache.used(self._pieces)
             if self.complete:
-                self._text, self._keys = "", []  # a request may stream for minutes: keep only its ids
+                self._text, self._pieces = "", []  # a request may stream for minutes: keep only its ids
         return self._ids
 
     def whole(self) -> list[int]:
         return self.head(sys.maxsize)
 
     def _read_cached(self) -> None:
-        """The pieces the cache has, from the start (in one loop: a long prompt has a hundred or more)."""
-        text, get, ids, keys = self._text, self._cache.get, self._ids, self._keys
-        key, at = self._key, 0
-        for end in self._cuts:
-            next_key = hash((key, text[at:end]))
-            found = get(next_key)
-            if found is None:
-                break
-            ids += found
-            keys.append(next_key)
-            key, at = next_key, end
-        self._key, self._at, self._done, self.reused = key, at, len(keys), len(ids)
+        """Walk down the cache as far as the text goes on as earlier prompts did."""
+        cache, text, ends, pieces, ids = self._cache, self._text, self._splitter.ends_at, self._pieces, self._ids
+        node, at = self._node, 0
+        while node is not None and (found := cache.after(node, text, at, ends)) is not None:
+            pieces.append(found)
+            ids += found.ids
+            node, at = found, at + len(found.text)
+        self._node, self._at, self.reused = node, at, len(ids)
 
     def _next(self) -> None:
-        """Work out the next piece: from the cache when it has it, else by tokenizing it."""
-        if self._done == len(self._cuts):  # the last piece: tokenized, never cached
+        """Tokenize the next piece (nothing after the cached ones is cached: ``_read_cached`` went as far as it
+        could), and cache it unless it is the last."""
+        if self._done == len(self._cuts):
             self._ids += self._splitter.piece(self._text[self._at :])
             self._at, self._done = self._length, self._done + 1
             return
-        end = self._cuts[self._done]
-        key = hash((self._key, self._text[self._at : end]))
-        ids = self._cache.get(key)
-        if ids is None:
-            ids = self._splitter.piece(self._text[self._at : end])
-            self._cache.put(key, ids)
-        else:
-            self.reused += len(ids)
+        end, special = self._cuts[self._done]
+        text = self._text[self._at : end]
+        ids = self._splitter.piece(text)
+        if self._node is not None:
+            self._node = self._cache.add(self._node, text, ids, special)
+            if self._node is not None:
+                self._pieces.append(self._node)
         self._ids += ids
-        self._key = key
-        self._keys.append(key)
         self._at, self._done = end, self._done + 1

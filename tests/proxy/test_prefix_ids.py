@@ -180,3 +180,31 @@ def test_any_chat_cut_at_its_word_starts_gives_qwen3s_ids(
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(prefix_ids, "SOFT_CUT", 24)  # a cut every few words, at every kind of place
         assert replica.ids(body).whole() == whole.whole(body)
+
+
+def test_a_full_cache_drops_the_ends_of_prompts_before_the_preamble_they_share(sources: dict[str, Path]) -> None:
+    source = sources["bpe"]
+    preamble = text(random.Random("preamble"), 4 * prefix_ids.SOFT_CUT)
+    reference = Replica(source, cache=False)
+    shared = len(
+        reference.whole({"messages": [{"role": "system", "content": preamble}], "add_generation_prompt": False})
+    )
+    budget = 3 * shared
+    replica = Replica(source)
+    replica.tokens._cache = prefix_ids.PrefixIds(budget)  # room for the preamble and about two conversations
+    rng = random.Random("conversations")
+    for c in range(12):
+        body = {
+            "messages": [
+                {"role": "system", "content": preamble},
+                {"role": "user", "content": f"conversation {c}: {text(rng, 4 * prefix_ids.SOFT_CUT)}"},
+            ]
+        }
+        ids = replica.ids(body)
+        if c:  # every conversation's own part pushes older ones out, never the preamble they all begin with
+            assert ids.reused >= shared
+        assert ids.whole() == reference.whole(body)
+        assert replica.tokens._cache.tokens <= budget
+    # A prompt larger than the whole cache still gives its ids; it cannot keep its own start cached.
+    huge = {"messages": [{"role": "user", "content": text(rng, 40 * prefix_ids.SOFT_CUT)}]}
+    assert replica.ids(huge).whole() == reference.whole(huge) and replica.tokens._cache.tokens <= budget
