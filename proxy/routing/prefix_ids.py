@@ -71,23 +71,23 @@ class EndsAt(Protocol):
 
 
 class PrefixIds:
-    """The pieces of earlier prompts as a tree (a root per tokenizer), least recently used first out, holding at
-    most ``max_tokens`` ids in all."""
+    """The pieces of earlier prompts as a tree (a root per tokenizer's splitter), least recently used first out,
+    holding at most ``max_tokens`` ids in all."""
 
     def __init__(self, max_tokens: int = CACHE_TOKENS) -> None:
         self._max = max_tokens
-        self._roots: dict[int, Piece] = {}
+        self._roots: dict[Splitter, Piece] = {}
         self._used: OrderedDict[Piece, None] = OrderedDict()
         self.tokens = 0
 
     def __len__(self) -> int:
         return len(self._used)
 
-    def root(self, salt: int) -> Piece:
-        """The empty start of every prompt of one tokenizer."""
-        found = self._roots.get(salt)
+    def root(self, splitter: Splitter) -> Piece:
+        """The empty start of every prompt that ``splitter`` cuts (one tokenizer's)."""
+        found = self._roots.get(splitter)
         if found is None:
-            found = self._roots[salt] = Piece("", (), 0, None)
+            found = self._roots[splitter] = Piece("", (), 0, None)
         return found
 
     def after(self, piece: Piece, text: str, at: int, ends: EndsAt) -> Piece | None:
@@ -236,7 +236,7 @@ class _CutsOf(Protocol):
 class ChatIds:
     """A rendered chat's ids (no special tokens added), worked out piece by piece as far as they are asked for.
 
-    The pieces an earlier prompt of the same tokenizer (``salt``) began with are read from ``cache`` at once
+    The pieces an earlier prompt of the same tokenizer began with are read from ``cache`` at once
     (``reused``); the others are tokenized when ``head`` or ``whole`` needs them, and cached, except the last
     piece (the next turn's text goes on from it, so it is not cut there).
     """
@@ -256,9 +256,9 @@ class ChatIds:
         "reused",
     )
 
-    def __init__(self, splitter: Splitter, cache: PrefixIds, salt: int, text: str, counts: tuple[Count, Count]) -> None:
+    def __init__(self, splitter: Splitter, cache: PrefixIds, text: str, counts: tuple[Count, Count]) -> None:
         self._splitter, self._cache, self._text, self._length = splitter, cache, text, len(text)
-        self._node: Piece | None = cache.root(salt)
+        self._node: Piece | None = cache.root(splitter)
         """The last piece worked out, where the next is cached (None: it could not be, nor can what follows)."""
         self._pieces: list[Piece] = []
         self._ids: list[int] = []

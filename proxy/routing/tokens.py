@@ -246,7 +246,7 @@ class PromptTokens:
         splitter = loaded.splitter
         if special or splitter is None or not self._reuse:
             return "whole", self._encode(loaded, text, special)
-        ids = ChatIds(splitter, self._cache, hash(loaded.source), text, self._counts)
+        ids = ChatIds(splitter, self._cache, text, self._counts)
         if ids.pieces > 1 and loaded.checks_left > 0:
             loaded.checks_left -= 1
             whole = splitter.encode(text)
