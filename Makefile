@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv etcd demo test lint protos bench clean
+.PHONY: venv etcd demo test lint protos bench real-vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ protos:
 
 bench: venv
 	$(BIN)/python -m bench.proxy_overhead
+
+# Opt-in, never in CI: a real vLLM 0.32 (CPU build, ~4 GB in a virtualenv of its own under ~/.cache) checked
+# against what the simulator copies (bench/README.md). Pass flags with ARGS, e.g. ARGS='--phases pd'.
+real-vllm: venv etcd
+	$(BIN)/python -m bench.real_vllm $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

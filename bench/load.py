@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import ssl
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +46,8 @@ class Target:
 
     url: str
     prefill_url: str | None = None
+    ca_bundle: str | None = None
+    """For an ``https://`` url: the CAs its certificate chains to (None: the system's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +64,8 @@ class Phase:
     """Requests sent first and not counted: they open the connections (servers close idle ones after 5 s)."""
     timeout: float
     """Seconds for the measured part; requests unfinished then count as failed."""
+    keepalive: bool = True
+    """Reuse connections; False opens a new one (a new TLS handshake over https) for every request."""
 
 
 @dataclass(kw_only=True)
@@ -206,12 +211,16 @@ async def run_phase(phase: Phase, on_start: Callable[[], None] = lambda: None) -
     failed request: failures are counted in the result."""
     n = phase.concurrency
     timeout = httpx.Timeout(30.0)
+    # One context for every client: loading the CAs costs milliseconds each time.
+    verify = ssl.create_default_context(cafile=phase.target.ca_bundle)
     if phase.clients == "shared":
-        limits = httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=300)
-        clients = [httpx.AsyncClient(limits=limits, timeout=timeout)]
+        kept = n if phase.keepalive else 0
+        limits = httpx.Limits(max_connections=n, max_keepalive_connections=kept, keepalive_expiry=300)
+        clients = [httpx.AsyncClient(limits=limits, timeout=timeout, verify=verify)]
     else:
-        limits = httpx.Limits(max_connections=2, max_keepalive_connections=2, keepalive_expiry=300)
-        clients = [httpx.AsyncClient(limits=limits, timeout=timeout) for _ in range(n)]
+        kept = 2 if phase.keepalive else 0
+        limits = httpx.Limits(max_connections=2, max_keepalive_connections=kept, keepalive_expiry=300)
+        clients = [httpx.AsyncClient(limits=limits, timeout=timeout, verify=verify) for _ in range(n)]
     async with contextlib.AsyncExitStack() as stack:
         for client in clients:
             await stack.enter_async_context(client)

@@ -14,6 +14,7 @@ import os
 import platform
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,7 @@ def pin(pid: int, cpus: set[int]) -> None:
 
 class Server:
     """``python -m MODULE ARGS`` listening on 127.0.0.1:``port`` (or ``command``, which must listen there
-    itself); output goes to a log file."""
+    itself); output goes to a log file. ``env`` replaces this process's environment when given."""
 
     def __init__(
         self,
@@ -80,9 +81,13 @@ class Server:
         args: Sequence[str],
         log_dir: Path,
         command: Sequence[str] | None = None,
+        tls: ssl.SSLContext | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``tls``: the server speaks https, checked with this client context."""
         self.name = name
         self.port = port
+        self.tls = tls
         self.log_path = log_dir / f"{name}.log"
         argv = list(command) if command else [sys.executable, "-m", module, "--host", HOST, "--port", str(port), *args]
         with open(self.log_path, "wb") as log:
@@ -92,12 +97,12 @@ class Server:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
             )
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -117,7 +122,7 @@ class Server:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
+                if httpx.get(self.url + path, timeout=1.0, verify=self.tls or True).status_code == 200:
                     return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} not ready on {self.url}{path} after {timeout:g} s:\n{self.log_tail()}")
@@ -167,11 +172,14 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         ready_path: str,
         *,
         command: Callable[[int], Sequence[str]] | None = None,
+        tls: ssl.SSLContext | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Server:
         """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready).
-        ``command(port)``, when given, is the whole command line instead of ``python -m module``."""
+        ``command(port)``, when given, is the whole command line instead of ``python -m module``; ``tls``: it
+        speaks https, checked with this client context."""
         port = self.port()
-        server = Server(name, module, port, args, self.log_dir, command(port) if command else None)
+        server = Server(name, module, port, args, self.log_dir, command(port) if command else None, tls, env)
         self.servers.append(server)
         self._ready_paths[server.name] = ready_path
         return server

@@ -62,7 +62,7 @@ def table(prog: str, parser: argparse.ArgumentParser, env_prefix: str) -> str:
         "| --- | --- | --- |",
     ]
     for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
+        if not action.option_strings or action.dest in ("help", "version"):
             continue
         env = f"`{env_prefix}{action.dest.upper()}`"
         extra = EXTRA_ENV.get((prog, action.dest))

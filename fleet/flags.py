@@ -25,7 +25,7 @@ def environment_defaults(
     naming the variable when a value does not convert to the flag's type."""
     defaults: dict[str, object] = {}
     for action in parser._actions:
-        if not action.option_strings or action.dest == "help" or _given(action, argv):
+        if not action.option_strings or action.dest in ("help", "version") or _given(action, argv):
             continue
         name = prefix + action.dest.upper()
         text = environ.get(name)

@@ -8,15 +8,17 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_etcd_proxy.fleet.adapters import FOLDER as ADAPTERS
@@ -34,17 +36,20 @@ from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
+from vllm_etcd_proxy.proxy.operations.hangup import Hangup
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
-from vllm_etcd_proxy.proxy.operations.metrics import PoolCollector, ProxyMetrics
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
+from vllm_etcd_proxy.proxy.operations.poolmetrics import PoolCollector
+from vllm_etcd_proxy.proxy.operations.tls import ServerTls, server_tls
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import (
     AFFINITY_POLICIES,
     DEFAULT_POLICIES,
     KV_AWARE,
     CacheAware,
+    Policy,
     make_policy,
 )
 from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
@@ -52,12 +57,27 @@ from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
 from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
+from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
+from vllm_etcd_proxy.proxy.serving.layers import (
+    Accounting,
+    Admission,
+    Concurrency,
+    Handler,
+    Keys,
+    PickFlow,
+    ReadRequest,
+    Tracing,
+)
+from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits
+from vllm_etcd_proxy.proxy.serving.relay import Relay
 from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.supervisor import Supervisor
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.telemetry.spans import make_tracer
 from vllm_etcd_proxy.proxy.tenancy.setup import build_tenancy
-from vllm_etcd_proxy.proxy.tracing.spans import make_tracer
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
 log = logging.getLogger(__name__)
@@ -115,31 +135,32 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 class ProxyApp:
     """The ASGI app of one replica: the header limit, then the raw OpenAI routes, then starlette for the rest."""
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle, prompt_tokens: PromptTokens, tls: ServerTls | None) -> None:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
         """Requests to token ids (``prompt_tokens.ids``), for routing on the nodes' cached blocks."""
+        self.ssl_context = tls.context if tls is not None else None
+        """The listener's server context (the same one for its whole life: SIGHUP reloads into it); None: plain
+        HTTP."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._app(scope, receive, send)
 
 
-def build_app(settings: ProxySettings, transport: Transport | None = None, *, wait_ready: float = 0.0) -> ProxyApp:
-    """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own).
+def _hangup(key_file: Callable[[], None] | None, tls: ServerTls | None, metrics: ProxyMetrics) -> Hangup:
+    """What SIGHUP re-reads: the key file, the TLS certificate (each when configured)."""
+    hangup = Hangup()
+    if key_file is not None:
+        hangup.on("--api-key-file", key_file)
+    if tls is not None:
+        hangup.on("TLS certificate", lambda: metrics.tls_reloaded(tls.reload()))
+    return hangup
 
-    With ``wait_ready`` the app's startup waits up to that many seconds for the replica to be ready (pools
-    synced, a node routable), so that the server only listens then: a worker restarted beside others takes no
-    connection it would answer with 404 or 503.
-    """
-    lifecycle = Lifecycle()
-    registry = CollectorRegistry(auto_describe=True)
-    metrics = ProxyMetrics(registry)
+
+def static_pool(settings: ProxySettings) -> Pool:
+    """The pool, with the nodes given on the command line (``--prefill``/``--decode``/``--mixed``)."""
     pool = Pool()
-    discovery_state = DiscoveryState(enabled=settings.etcd is not None)
-    registry.register(PoolCollector(pool, discovery_state))
-    registry.register(NodeCollector(pool))
-    layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
     kv_flags = {node: (events, replay) for node, events, replay in settings.kv_events}
     for role, addresses in (
         (Role.PREFILL, settings.prefill),
@@ -153,151 +174,238 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
                 raise ValueError(f"--{role.value} {address}: {exc}") from None
     if unknown := set(kv_flags) - {*settings.prefill, *settings.decode, *settings.mixed}:
         raise ValueError(f"--kv-events names no static node: {', '.join(sorted(unknown))}")
+    return pool
 
-    # Probes and the admin API: a few requests per node and minute.
-    client = stateless_client(timeout=httpx.Timeout(settings.timeouts.connect, read=30.0), follow_redirects=False)
-    http = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=settings.max_connections)
-    # The load scrapes' own connections (one per node): a node busy up to --max-connections is still scraped.
-    scrapes = HttpTransport(connect_timeout=settings.timeouts.connect, max_connections=1)
-    if transport is None:
-        transport = http
-    chosen = dict(settings.policies)
 
-    # KV-cache events: a subscriber per publishing node feeds one index, which the kv-aware policy reads.
-    kv_index = KvIndex()
-    kv_subscribers = KvSubscribers(pool, kv_index)
-    kv_routing = KvRouting(kv_index, kv_subscribers.tracked, kv_subscribers.active)
-    registry.register(KvCollector(kv_subscribers, kv_routing))
+class Replica:
+    """Every part of one replica, built from its settings and passed to what uses it: discovery -> pool ->
+    balancer -> forwarder -> the request path, and what runs beside it. ``lifespan`` runs the background work."""
 
-    def kv_policy(name: str) -> KvAware:
-        return KvAware(kv_routing, CacheAware())
+    def __init__(self, settings: ProxySettings, transport: Transport | None = None) -> None:
+        self.settings = settings
+        self.lifecycle = Lifecycle()
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.metrics = metrics = ProxyMetrics(registry)
+        self.pool = pool = static_pool(settings)
+        self.discovery_state = DiscoveryState(enabled=settings.etcd is not None)
+        self.layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
+        self.tls = server_tls(settings.tls)
+        self.node_tls = node_tls = settings.node_tls.context()  # for every connection to https:// nodes
+        # Probes and the admin API: a few requests per node and minute.
+        connect = settings.timeouts.connect
+        self.client = stateless_client(
+            timeout=httpx.Timeout(connect, read=30.0), follow_redirects=False, verify=node_tls
+        )
+        self.http = HttpTransport(connect_timeout=connect, max_connections=settings.max_connections, tls=node_tls)
+        # The load scrapes' own connections (one per node): a node busy up to --max-connections is still scraped.
+        self.scrapes = HttpTransport(connect_timeout=connect, max_connections=1, tls=node_tls)
+        # KV-cache events: a subscriber per publishing node feeds one index, which the kv-aware policy reads.
+        kv_index = KvIndex()
+        self.kv_subscribers = KvSubscribers(pool, kv_index)
+        self.kv_routing = KvRouting(kv_index, self.kv_subscribers.tracked, self.kv_subscribers.active)
+        self.policies = self._policies()
+        self.ejector = Ejector(pool, self.client, settings.ejection)
+        self.etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
+        key = settings.backend_api_key
+        self.backend_auth = {"authorization": f"Bearer {key}"} if key else None
+        self.keys = ClientKeys(settings.api_keys)
+        # The keys' tenants, their limits and the fair queue.
+        self.tenancy = build_tenancy(settings, self.keys, registry, pool, self.etcd, self.layout)
+        self.tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is made
+        self.prompt_tokens = PromptTokens(
+            dict(settings.tokenizers),
+            lambda model: [s.cards[model] for s in pool.serving(model) if model in s.cards],
+            registry,
+        )
+        pool.on_node(self.prompt_tokens.node_seen)
+        self.adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them
+        self.loader = AdapterLoader(pool, self.adapters, self.client, metrics, self.backend_auth)
+        self.forwarder = Forwarder(
+            transport or self.http, pool, self.policies, settings, metrics, self.ejector, narrow=self.loader.narrow
+        )
+        self.supervisor = Supervisor(metrics.task_crashes)
+        self.hangup = _hangup(self.tenancy.reload, self.tls, metrics)
+        for collector in self.collectors():
+            registry.register(collector)
 
-    policies = {
-        role: kv_policy(name)
-        if (name := chosen.get(role.value, DEFAULT_POLICIES[role.value])) == KV_AWARE
-        else make_policy(name)
-        for role in Role
-    }
-    ejector = Ejector(pool, client, settings.ejection)
-    forwarder = Forwarder(transport, pool, policies, settings, metrics, ejector)
-    etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
-    backend_auth = {"authorization": f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else None
-    prober = ModelProber(pool, client, settings.models_refresh, backend_auth, rate=settings.models_probe_rate)
-    keys = ClientKeys(settings.api_keys)
-    tenancy = build_tenancy(settings, keys, registry, pool, etcd, layout)  # keys' tenants, limits, fair queue
-    tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is ever made
-    prompt_tokens = PromptTokens(
-        dict(settings.tokenizers),
-        lambda model: [s.cards[model] for s in pool.serving(model) if model in s.cards],
-        registry,
-    )
-    pool.on_node(prompt_tokens.node_seen)
-    adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them (issue 19)
-    loader = AdapterLoader(pool, adapters, client, metrics, backend_auth)
+    def _policies(self) -> dict[Role, Policy]:
+        chosen = dict(self.settings.policies)
+        policies: dict[Role, Policy] = {}
+        for role in Role:
+            name = chosen.get(role.value, DEFAULT_POLICIES[role.value])
+            policies[role] = KvAware(self.kv_routing, CacheAware()) if name == KV_AWARE else make_policy(name)
+        return policies
+
+    def collectors(self) -> list[Collector]:
+        """What /metrics reads from the live objects at scrape time."""
+        return [
+            PoolCollector(self.pool, self.discovery_state),
+            NodeCollector(self.pool),
+            KvCollector(self.kv_subscribers, self.kv_routing),
+        ]
+
+    # -- the request path ---------------------------------------------------------------------------------------
+
+    def request_path(self) -> Handler:
+        """The layers a proxied request goes through (serving/layers.py), outermost first; the optional ones only
+        when configured."""
+        settings, metrics = self.settings, self.metrics
+        flows = Flows(
+            self.pool,
+            self.forwarder,
+            self.loader,
+            self.kv_routing,
+            first_byte_timeout=settings.timeouts.first_byte,
+            prefill_timeout=settings.timeouts.prefill,
+            pd_min_prompt_tokens=settings.pd_min_prompt_tokens,
+        )
+        path: Handler = Relay(metrics, flows, settings.max_resumes)
+        if settings.max_concurrent:
+            path = Concurrency(path, ConcurrencyLimit(settings.max_concurrent))
+        if self.tenancy.tenancy is not None:
+            path = Admission(path, self.tenancy.tenancy)
+        path = PickFlow(path, flows)
+        path = ReadRequest(
+            path,
+            self.pool.models,
+            self.kv_routing,
+            self.prompt_tokens.ids,
+            BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
+            affinity=any(p.name in AFFINITY_POLICIES for p in self.policies.values()),
+            count_uncached=settings.pd_min_prompt_tokens > 0,
+            resumes=settings.max_resumes > 0,
+        )
+        path = Keys(path, self.keys)
+        if self.tracer is not None:
+            path = Tracing(path, self.tracer)
+        return Accounting(path, metrics)
+
+    def operator_routes(self, scraped: CollectorRegistry) -> list[BaseRoute]:
+        """The replica's own routes: health, status, /metrics (from ``scraped``), the admin API, model cards."""
+        settings = self.settings
+        return [
+            *InfoRoutes(
+                pool=self.pool,
+                discovery=self.discovery_state,
+                registry=scraped,
+                lifecycle=self.lifecycle,
+                kv_view=KvView(self.kv_subscribers, self.kv_routing),
+                kv_catching_up=self.kv_subscribers.catching_up,
+            ).routes(),
+            *AdminRoutes(
+                pool=self.pool,
+                client=self.client,
+                admin_key=settings.admin_key,
+                etcd=self.etcd,
+                layout=self.layout,
+                models=settings.models,
+                metrics=self.metrics,
+                allowed=settings.admin_allow,
+                backend_auth=self.backend_auth,
+            ).routes(),
+            *ModelRoutes(self.pool, self.keys, self.adapters).routes(),
+            *DashboardRoutes().routes(),
+        ]
+
+    # -- what runs beside it ------------------------------------------------------------------------------------
+
+    def _start_background(self) -> None:
+        settings, pool, supervise = self.settings, self.pool, self.supervisor.start
+        prober = ModelProber(
+            pool, self.client, settings.models_refresh, self.backend_auth, rate=settings.models_probe_rate
+        )
+        supervise("model-prober", prober.run)
+        supervise("ejection-prober", self.ejector.run)
+        supervise("connection-pruner", self._prune_connections)
+        supervise("loop-lag", self.metrics.watch_loop_lag)
+        if settings.scrape_load > 0:
+            watcher = LoadWatcher(
+                pool, self.scrapes, settings.scrape_load, self.backend_auth, rate=settings.scrape_rate
+            )
+            supervise("load-watcher", watcher.run)
+        if self.etcd is not None:
+            sinks = {ADAPTERS: self.adapters, **self.tenancy.sinks}
+            discovery = Discovery(self.etcd, self.layout, pool.apply_all, self.discovery_state, sinks=sinks)
+            supervise("etcd-discovery", discovery.run)
+        for run in self.tenancy.tasks:
+            supervise("tenancy", run)
+        supervise("sighup", self.hangup.run)
+
+    async def _prune_connections(self) -> None:
+        """Close, now and then, the idle connections of nodes that left."""
+        while True:
+            await asyncio.sleep(CLIENT_PRUNE_INTERVAL)
+            live = {s.node.url for s in self.pool.all()}
+            self.http.prune(live)
+            self.scrapes.prune(live)
+
+    def _not_ready(self) -> str | None:
+        return not_ready_reason(self.lifecycle, self.discovery_state, self.pool, self.kv_subscribers.catching_up())
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        http.prepare_tls()
-        kv_subscribers.start()
-        prompt_tokens.start()
-        if tracer is not None:
-            tracer.start()
-
-        async def prune_connections() -> None:
-            while True:
-                await asyncio.sleep(CLIENT_PRUNE_INTERVAL)
-                live = {s.node.url for s in pool.all()}
-                http.prune(live)
-                scrapes.prune(live)
-
-        tasks = [
-            asyncio.create_task(prober.run(), name="model-prober"),
-            asyncio.create_task(ejector.run(), name="ejection-prober"),
-            asyncio.create_task(prune_connections(), name="connection-pruner"),
-            asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag"),
-        ]
-        if settings.scrape_load > 0:
-            watcher = LoadWatcher(pool, scrapes, settings.scrape_load, backend_auth, rate=settings.scrape_rate)
-            tasks.append(asyncio.create_task(watcher.run(), name="load-watcher"))
-        if etcd is not None:
-            discovery = Discovery(
-                etcd, layout, pool.apply_all, discovery_state, sinks={ADAPTERS: adapters, **tenancy.sinks}
-            )
-            tasks.append(asyncio.create_task(discovery.run(), name="etcd-discovery"))
-        tasks += [asyncio.create_task(run(), name="tenancy") for run in tenancy.tasks]
+    async def lifespan(self, wait_ready: float) -> AsyncIterator[None]:
+        """Run the background work while the app serves; with ``wait_ready``, start serving only once ready (or
+        after that many seconds)."""
+        self.http.prepare_tls()
+        self.kv_subscribers.start()
+        self.prompt_tokens.start()
+        if self.tracer is not None:
+            self.tracer.start()
+        self._start_background()
         deadline = time.monotonic() + wait_ready
-        while (
-            time.monotonic() < deadline
-            and not lifecycle.shutting_down
-            and not_ready_reason(lifecycle, discovery_state, pool) is not None
-        ):
+        while time.monotonic() < deadline and not self.lifecycle.shutting_down and self._not_ready() is not None:
             await asyncio.sleep(0.05)
         try:
             yield
         finally:
-            loader.close()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await kv_subscribers.stop()
-            if etcd is not None:
-                await etcd.close()
-            await client.aclose()
-            prompt_tokens.close()
-            http.close()
-            scrapes.close()
-            if tracer is not None:
-                await asyncio.to_thread(tracer.shutdown)
+            await self._stop()
 
-    scraped = registry
+    async def _stop(self) -> None:
+        self.loader.close()
+        await self.supervisor.stop()
+        await self.kv_subscribers.stop()
+        if self.etcd is not None:
+            await self.etcd.close()
+        await self.client.aclose()
+        self.prompt_tokens.close()
+        self.http.close()
+        self.scrapes.close()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)
+
+
+def build_app(settings: ProxySettings, transport: Transport | None = None, *, wait_ready: float = 0.0) -> ProxyApp:
+    """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own).
+
+    With ``wait_ready`` the app's startup waits up to that many seconds for the replica to be ready (pools
+    synced, a node routable), so that the server only listens then: a worker restarted beside others takes no
+    connection it would answer with 404 or 503.
+    """
+    replica = Replica(settings, transport)
+    scraped = replica.registry
     if os.environ.get(METRICS_DIR_ENV):
         # One of several workers (workers.py): counters and histograms summed over all of them, pool gauges ours.
         scraped = CollectorRegistry(auto_describe=True)
         MultiProcessCollector(scraped)  # type: ignore[no-untyped-call]
-        scraped.register(PoolCollector(pool, discovery_state))
-        scraped.register(NodeCollector(pool))
-        scraped.register(KvCollector(kv_subscribers, kv_routing))
-    routes = [
-        *InfoRoutes(
-            pool=pool,
-            discovery=discovery_state,
-            registry=scraped,
-            lifecycle=lifecycle,
-            kv_view=KvView(kv_subscribers, kv_routing),
-        ).routes(),
-        *AdminRoutes(
-            pool=pool,
-            client=client,
-            admin_key=settings.admin_key,
-            etcd=etcd,
-            layout=layout,
-            models=settings.models,
-            metrics=metrics,
-            allowed=settings.admin_allow,
-            backend_auth=backend_auth,
-        ).routes(),
-        *ModelRoutes(pool, keys, adapters).routes(),
-        *DashboardRoutes().routes(),
-    ]
+        for collector in replica.collectors():
+            scraped.register(collector)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with replica.lifespan(wait_ready):
+            yield
+
     operator_app = Starlette(
-        routes=routes,
+        routes=replica.operator_routes(scraped),
         lifespan=lifespan,
         exception_handlers={ProxyError: _proxy_error, HTTPException: _http_error},
     )
     openai = OpenAIRoutes(
-        settings,
-        pool,
-        forwarder,
-        metrics,
-        ConcurrencyLimit(settings.max_concurrent),
+        replica.request_path(),
+        WebSocketProxy(replica.pool, replica.policies, replica.keys, replica.metrics, settings, replica.node_tls),
         operator_app,
-        keys=keys,
-        websockets=WebSocketProxy(pool, policies, keys, metrics, settings),
-        affinity=any(p.name in AFFINITY_POLICIES for p in policies.values()),
-        tracer=tracer,
-        adapters=loader,
-        tenancy=tenancy.tenancy,
-        kv=kv_routing,
-        prompt_ids=prompt_tokens.ids,
+        session_header=settings.affinity_header,
+        backend_api_key=settings.backend_api_key,
     )
-    return ProxyApp(HeaderLimit(openai, max_bytes=settings.max_header_bytes), lifecycle, prompt_tokens)
+    header_limit = HeaderLimit(openai, max_bytes=settings.max_header_bytes)
+    return ProxyApp(header_limit, replica.lifecycle, replica.prompt_tokens, replica.tls)

@@ -137,11 +137,14 @@ def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
         lifespan="on",
         server_header=False,
     )
+    config.load()
+    # Our own context rather than uvicorn's: the app keeps it, and SIGHUP loads a new certificate into it.
+    config.ssl = app.ssl_context
     sock = listening_socket(settings.host, settings.port, reuse_port=reuse_port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    if settings.api_key_file:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the app's own handler reloads the key file
+    if settings.api_key_file or settings.tls is not None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the app's own handler reloads what it can
     DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.lifecycle).run(sockets=[sock])
 
 

@@ -6,18 +6,22 @@ Every flag also reads ``VLLM_PROXY_<FLAG>`` (dashes as underscores; lists comma-
 from __future__ import annotations
 
 import argparse
+import ssl
 from ipaddress import ip_network
 
 from vllm_etcd_proxy.fleet.etcd import BURST_PAUSE, DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import read_password
 from vllm_etcd_proxy.fleet.records import kv_event_flags
+from vllm_etcd_proxy.fleet.tls import NodeTlsSettings
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.proxy.discovery.ejection import PROBE_RATE as EJECT_PROBE_RATE
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
 from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
 from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
+from vllm_etcd_proxy.proxy.operations.tls import ServerTlsSettings
 from vllm_etcd_proxy.proxy.routing.balancer import DEFAULT_POLICIES, POLICY_NAMES
 from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
-from vllm_etcd_proxy.proxy.tracing.spans import traces_endpoint
+from vllm_etcd_proxy.proxy.telemetry.spans import traces_endpoint
 
 ENV_PREFIX = "VLLM_PROXY_"
 LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer", "kv_events"}
@@ -28,9 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vllm-proxy",
         description="OpenAI-compatible proxy for a vLLM fleet; nodes come from etcd and/or static flags.",
     )
+    add_version_flag(p)
     add = p.add_argument
     add("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     add("--port", type=int, default=8000, help="listen port (default 8000)")
+    add(
+        "--ssl-certfile",
+        metavar="FILE",
+        help="serve HTTPS (and WSS) with this PEM certificate chain, as vLLM's flag; re-read on SIGHUP, "
+        "connections already open keep theirs (default: plain HTTP)",
+    )
+    add("--ssl-keyfile", metavar="FILE", help="the PEM private key of --ssl-certfile (default: in its file)")
+    add("--ssl-ca-certs", metavar="FILE", help="PEM CAs that client certificates must chain to")
+    add(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
+        help="client certificates, as vLLM's flag (the ssl module's numbers): 0 not asked, 1 checked when "
+        "shown, 2 required; 1 and 2 need --ssl-ca-certs (default 0)",
+    )
     add("--etcd", help="etcd endpoints, URL[,URL...]; without it the static flags are the pools")
     add("--etcd-prefix", default="/vllm", help="key prefix (default /vllm)")
     add("--cluster", default="default", help="cluster name under the prefix (default default)")
@@ -239,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds to wait for a ping's answer before gRPC drops the connection (default 5)",
     )
+    add(
+        "--node-ca-bundle",
+        metavar="FILE",
+        help="PEM CAs that the certificates of https:// nodes must chain to (default: the system's)",
+    )
+    add("--node-cert", metavar="FILE", help="PEM client certificate for https:// nodes that require one")
+    add("--node-key", metavar="FILE", help="the PEM private key of --node-cert (default: in its file)")
     add("--etcd-cacert", help="CA bundle to verify etcd's TLS certificate")
     add("--etcd-cert", help="client certificate for etcd")
     add("--etcd-key", help="client key for etcd")
@@ -271,6 +299,28 @@ def tokenizer_flag(spec: str) -> tuple[str, str]:
     return model.strip(), source.strip()
 
 
+def server_tls(args: argparse.Namespace) -> ServerTlsSettings | None:
+    """The listener's TLS from the ``--ssl-*`` flags (None: plain HTTP); ``ValueError`` for a set that cannot
+    work."""
+    if not args.ssl_certfile:
+        for flag, value in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-ca-certs", args.ssl_ca_certs)):
+            if value:
+                raise ValueError(f"{flag} needs --ssl-certfile")
+        if args.ssl_cert_reqs != ssl.CERT_NONE:
+            raise ValueError("--ssl-cert-reqs needs --ssl-certfile")
+        return None
+    if args.ssl_cert_reqs != ssl.CERT_NONE and not args.ssl_ca_certs:
+        raise ValueError(
+            f"--ssl-cert-reqs {args.ssl_cert_reqs} needs --ssl-ca-certs (the CAs client certificates chain to)"
+        )
+    return ServerTlsSettings(
+        certfile=args.ssl_certfile,
+        keyfile=args.ssl_keyfile or None,
+        ca_certs=args.ssl_ca_certs or None,
+        cert_reqs=ssl.VerifyMode(args.ssl_cert_reqs),
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate"):
         if getattr(args, flag) <= 0:
@@ -293,6 +343,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     return ProxySettings(
         host=args.host,
         port=args.port,
+        tls=server_tls(args),
+        node_tls=NodeTlsSettings(
+            ca_bundle=args.node_ca_bundle or None, cert=args.node_cert or None, key=args.node_key or None
+        ),
         etcd=etcd,
         etcd_prefix=args.etcd_prefix,
         cluster=args.cluster,

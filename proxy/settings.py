@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
 from vllm_etcd_proxy.fleet.etcd import EtcdSettings
+from vllm_etcd_proxy.fleet.tls import NodeTlsSettings
 from vllm_etcd_proxy.proxy.discovery.ejection import EjectionSettings
 from vllm_etcd_proxy.proxy.discovery.loadwatch import SCRAPE_RATE
 from vllm_etcd_proxy.proxy.discovery.prober import PROBE_RATE as MODELS_PROBE_RATE
+from vllm_etcd_proxy.proxy.operations.tls import ServerTlsSettings
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +35,10 @@ class ProxySettings:
     """Listen address."""
     port: int = 8000
     """Listen port."""
+    tls: ServerTlsSettings | None = None
+    """The listener's TLS (``--ssl-*``, reloaded on SIGHUP); None: plain HTTP."""
+    node_tls: NodeTlsSettings = field(default_factory=NodeTlsSettings)
+    """How ``https://`` nodes are checked (``--node-ca-bundle``) and answered (``--node-cert``)."""
     etcd: EtcdSettings | None = None
     """etcd connection; None means static pools only (the embedded default)."""
     etcd_prefix: str = "/vllm"

@@ -20,6 +20,8 @@ from typing import NoReturn
 from vllm_etcd_proxy.fleet.etcd import DEAD_AFTER, EtcdSettings, parse_endpoints
 from vllm_etcd_proxy.fleet.flags import environment_defaults, read_password
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, url_host_port, validate_url
+from vllm_etcd_proxy.fleet.tls import NodeTlsSettings
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
 from vllm_etcd_proxy.registrar.kvconfig import from_child, published
 from vllm_etcd_proxy.registrar.runner import Runner
@@ -38,22 +40,28 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
-        usage=f"{PROG} --etcd URL[,URL...] --role ROLE --url http://HOST:PORT [options] [-- COMMAND ARGS...]",
+        usage=f"{PROG} --etcd URL[,URL...] --role ROLE --url http(s)://HOST:PORT [options] [-- COMMAND ARGS...]",
         description="Register a vLLM node in etcd under a lease while it is healthy; drain it on SIGTERM. "
         "With '-- COMMAND', run the node as a child process too.",
         epilog=f"Every flag also reads {ENV_PREFIX}<FLAG>, e.g. {ENV_PREFIX}ETCD_PASSWORD; the flag wins.",
     )
+    add_version_flag(p)
     add = p.add_argument
     add("--etcd", metavar="URL[,URL...]", help="etcd endpoints (required)")
     add("--role", metavar="ROLE", help="prefill, decode or mixed (required)")
-    add("--url", metavar="URL", help="the node's base URL, http://HOST:PORT (required)")
+    add("--url", metavar="URL", help="the node's base URL, http://HOST:PORT or https://HOST:PORT (required)")
     add("--cluster", help="cluster segment of the key (default: default)")
     add("--etcd-prefix", metavar="PREFIX", help="key prefix (default: /vllm)")
     add("--node-id", metavar="ID", help="last key segment (default: HOST:PORT of --url)")
     add("--ttl", metavar="S", help=f"lease TTL in seconds, {MIN_TTL}-{MAX_TTL} (default: 10)")
     add("--models", metavar="auto|A,B", help="served models, or auto to ask GET /v1/models (default: auto)")
     add("--label", metavar="K=V", action="append", help="a label for the record; repeatable")
-    add("--drain-timeout", metavar="S", help="longest wait on SIGTERM for in-flight requests (default: 30)")
+    add(
+        "--drain-timeout",
+        metavar="S",
+        help="longest wait on SIGTERM for in-flight requests; in wrapper mode also how long the command gets "
+        "between SIGTERM and SIGKILL if the registrar is killed (default: 30)",
+    )
     add("--health-interval", metavar="S", help="seconds between health checks (default: 2)")
     add("--health-timeout", metavar="S", help="seconds one probe request may take (default: 2)")
     add("--unhealthy-after", metavar="N", help="failed checks in a row before withdrawal (default: 3)")
@@ -75,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds to wait for a ping's answer before gRPC drops the connection (default: 5)",
     )
+    add(
+        "--node-ca-bundle",
+        metavar="FILE",
+        help="PEM CAs that an https:// node's certificate must chain to (default: the system's)",
+    )
+    add("--node-cert", metavar="FILE", help="PEM client certificate for a node that requires one")
+    add("--node-key", metavar="FILE", help="the PEM private key of --node-cert (default: in its file)")
     add("--etcd-cacert", metavar="FILE", help="CA bundle to verify etcd's server certificate")
     add("--etcd-cert", metavar="FILE", help="client certificate for etcd")
     add("--etcd-key", metavar="FILE", help="private key of --etcd-cert")
@@ -183,6 +198,7 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     for flag, path in (("--etcd-cacert", etcd.cacert), ("--etcd-cert", etcd.cert), ("--etcd-key", etcd.key)):
         if path is not None and not os.access(path, os.R_OK):
             raise UsageError(f"{flag} {path}: not a readable file")
+    node_tls = _node_tls(args)
     kv_events, kv_replay = from_child(command, url) if command else (None, None)
     if args.kv_events:
         kv_events, kv_replay = published(args.kv_events, url, "--kv-events"), None
@@ -194,6 +210,7 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         etcd=etcd,
         role=role,
         url=url,
+        node_tls=node_tls,
         node_id=node_id,
         cluster=layout.cluster,
         prefix=layout.prefix,
@@ -209,6 +226,15 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         kv_events_replay=kv_replay,
     )
     return settings, _log_level(args.log_level)
+
+
+def _node_tls(args: argparse.Namespace) -> NodeTlsSettings:
+    node_tls = NodeTlsSettings(ca_bundle=args.node_ca_bundle, cert=args.node_cert, key=args.node_key)
+    try:
+        node_tls.context()  # checked now: a file that cannot be used is a usage error, not a node that never answers
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return node_tls
 
 
 def _log_level(text: str | None) -> int:

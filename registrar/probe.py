@@ -7,12 +7,14 @@ deals in answers, not transports.
 from __future__ import annotations
 
 import json
+import ssl
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
+from vllm_etcd_proxy.fleet.tls import TLS_HINT, is_tls_failure
 from vllm_etcd_proxy.fleet.vllm import RUNNING, WAITING, ModelCard, parse_model_cards, read_node_load
 from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError
 
@@ -31,12 +33,13 @@ def parse_load(text: str) -> int:
 class NodeProbe:
     """HTTP client for one node; use as an async context manager."""
 
-    def __init__(self, base_url: str, *, timeout: float) -> None:
+    def __init__(self, base_url: str, *, timeout: float, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the client context for an ``https://`` node (fleet/tls.py); None: the system's CAs."""
         self.cards: tuple[ModelCard, ...] = ()
         """The entries of the last GET /v1/models, as the node gave them."""
         self._base_url = base_url
         # trust_env=False: the node sits next to us; an HTTP(S)_PROXY meant for the outside must not apply.
-        self._http = stateless_client(base_url=base_url, timeout=timeout)
+        self._http = stateless_client(base_url=base_url, timeout=timeout, verify=tls or True)
 
     async def __aenter__(self) -> NodeProbe:
         return self
@@ -53,7 +56,8 @@ class NodeProbe:
         try:
             response = await self._http.get(path)
         except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
-            raise NodeUnreachable(f"{self._base_url}{path}: {exc or type(exc).__name__}") from None
+            hint = f" ({TLS_HINT})" if is_tls_failure(exc) else ""
+            raise NodeUnreachable(f"{self._base_url}{path}: {exc or type(exc).__name__}{hint}") from None
         except httpx.HTTPError as exc:
             raise ProbeError(f"{self._base_url}{path}: {type(exc).__name__} {exc}".rstrip()) from None
         if response.status_code != 200:

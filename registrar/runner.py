@@ -5,12 +5,15 @@ Signals work as in uvicorn: the handlers only record the signal and set events; 
 process group, so a terminal's Ctrl-C reaches the registrar alone and the drain (proxies stop routing) comes
 before the child hears the signal; then every signal we got is forwarded and we wait for the child to exit.
 A child that exits on its own is deregistered at once, and its exit code becomes ours (128+N for signal N).
+The child is the command under a supervisor of ours (supervisor.py) that stops its process group if we are killed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import shlex
 import signal
 from collections.abc import Iterable
@@ -24,6 +27,7 @@ from vllm_etcd_proxy.registrar.errors import NodeUnreachable, ProbeError, Startu
 from vllm_etcd_proxy.registrar.lease import Registration
 from vllm_etcd_proxy.registrar.probe import NodeProbe
 from vllm_etcd_proxy.registrar.settings import RegistrarSettings
+from vllm_etcd_proxy.registrar.supervisor import command_line
 
 logger = logging.getLogger(__name__)
 
@@ -135,19 +139,20 @@ class Runner:
         if s.command:
             await self._start_child(s.command)
         try:
-            async with NodeProbe(s.url, timeout=s.health_timeout) as probe:
+            async with NodeProbe(s.url, timeout=s.health_timeout, tls=s.node_tls.context()) as probe:
                 await self._serve(client, probe)
             return await self._finish_child()
         finally:
             await self._reap_child()
 
     async def _start_child(self, command: tuple[str, ...]) -> None:
+        # Own process group: signals from a terminal reach us only; we forward them after the drain. The
+        # supervisor reports a command it cannot run (exit 127 or 126) and exits with the command's code.
+        supervised = command_line(command, parent=os.getpid(), grace=self._settings.drain_timeout)
         try:
-            # Own process group: signals from a terminal reach us only; we forward them after the drain.
-            self._child = await asyncio.create_subprocess_exec(*command, process_group=0)
+            self._child = await asyncio.create_subprocess_exec(*supervised, process_group=0)
         except OSError as exc:
-            code = 127 if isinstance(exc, FileNotFoundError) else 126
-            raise StartupError(f"cannot run {command[0]!r}: {exc.strerror or exc}", exit_code=code) from None
+            raise StartupError(f"cannot start the supervisor {supervised[0]!r}: {exc.strerror or exc}") from None
         self._child_exit = asyncio.create_task(self._child.wait(), name="child exit")
         self._child_exit.add_done_callback(lambda _: self._child_gone.set())
         logger.info("child started pid=%d command=%s", self._child.pid, shlex.join(command))
@@ -328,5 +333,7 @@ class Runner:
         child.terminate()
         done, _ = await asyncio.wait([exited], timeout=CHILD_STOP_TIMEOUT)
         if not done:
-            child.kill()
+            # The supervisor leads the child's process group: the command and whatever it started go too.
+            with contextlib.suppress(ProcessLookupError):  # it just exited
+                os.killpg(child.pid, signal.SIGKILL)
             await exited

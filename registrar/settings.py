@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm_etcd_proxy.fleet.etcd import EtcdSettings
 from vllm_etcd_proxy.fleet.records import KeyLayout, Role
+from vllm_etcd_proxy.fleet.tls import NodeTlsSettings
 
 MIN_TTL = 2
 """etcd itself rounds shorter leases up; below 5 s a short etcd hiccup can cost the key (it comes back)."""
@@ -24,6 +25,9 @@ class RegistrarSettings:
     """prefill, decode or mixed: the role segment of the key."""
     url: str
     """Base URL of the node's HTTP server, without a trailing slash; probed and written into the record."""
+    node_tls: NodeTlsSettings = field(default_factory=NodeTlsSettings)
+    """How an ``https://`` node's certificate is checked (``--node-ca-bundle``), and the client certificate shown
+    to a node that requires one."""
     node_id: str
     """Last key segment; the CLI defaults it to host:port of ``url``, so a node has one key wherever it runs."""
     cluster: str = "default"

@@ -13,6 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from vllm_etcd_proxy.fleet.flags import environment_defaults
+from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig
@@ -27,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-sim", description="A CPU-only simulated vLLM node (OpenAI-compatible API, vLLM wire format)."
     )
+    add_version_flag(parser)
 
     def add(flag: str, kind: type, default: object, help: str) -> None:
         parser.add_argument(flag, type=kind, default=default, help=help)
@@ -119,8 +121,19 @@ def _parser() -> argparse.ArgumentParser:
     add("--block-size", int, defaults.block_size, "tokens per KV block (prefix cache, remote_block_ids)")
     add("--cache-blocks", int, defaults.cache_blocks, "KV blocks of the prefix cache (0: no prefix caching)")
     add("--kv-events-config", str, defaults.kv_events_config, "vLLM's KVEventsConfig JSON: publish KV-cache events")
+    add("--kv-replay-frames", int, defaults.kv_replay_frames, "frames per replay answer: 4 (vLLM 0.32) or 3 (older)")
     add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
     add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
+    add("--ssl-certfile", str, "", "serve HTTPS with this PEM certificate chain (vLLM's flag)")
+    add("--ssl-keyfile", str, "", "its PEM private key, unless in --ssl-certfile's file (vLLM's flag)")
+    add("--ssl-ca-certs", str, "", "PEM CAs that client certificates must chain to (vLLM's flag)")
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=[0, 1, 2],
+        default=defaults.ssl_cert_reqs,
+        help="client certificates, the ssl module's numbers: 0 none, 1 optional, 2 required (vLLM's flag)",
+    )
     add("--log-level", str, defaults.log_level, "debug, info, warning, error")
     return parser
 
@@ -165,6 +178,8 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
     except ValueError as exc:
         parser.error(f"--kv-events-config: {exc}")
+    if args.kv_replay_frames not in (3, 4):
+        parser.error("--kv-replay-frames must be 3 or 4")
     return SimSettings(
         host=args.host,
         port=args.port,
@@ -199,9 +214,14 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         block_size=args.block_size,
         cache_blocks=args.cache_blocks,
         kv_events_config=args.kv_events_config,
+        kv_replay_frames=args.kv_replay_frames,
         side_channel_host=args.side_channel_host,
         side_channel_port=args.side_channel_port,
         scaling=args.scaling,
+        ssl_certfile=args.ssl_certfile or None,
+        ssl_keyfile=args.ssl_keyfile or None,
+        ssl_ca_certs=args.ssl_ca_certs or None,
+        ssl_cert_reqs=args.ssl_cert_reqs,
         log_level=args.log_level,
     )
 
@@ -251,4 +271,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=SHUTDOWN_TIMEOUT,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs,
     )

@@ -220,7 +220,7 @@ class Engine:
                 if job.adapter is not None:
                     self.adapters.leave(job.adapter)
                 raise
-            lease = self.cache.admit(job.prompt, job.cache_salt)
+            lease = self.cache.admit(job.prompt, job.cache_salt, job.adapter)
             try:
                 if swapped:
                     await asyncio.sleep(self.knobs.lora_swap_time)

@@ -30,6 +30,7 @@ class Knobs:
     kv_events_corrupt: int
     kv_events_encoding: str
     kv_events_hash: str
+    kv_replay_frames: int
     scaling: bool
     """While true, every request but /sim/* is answered 503 as by vLLM's elastic-EP scaling (``scaling.py``)."""
     lora_swap_time: float
@@ -66,6 +67,8 @@ class Knobs:
             raise ValueError("kv_events_encoding must be map or array")
         if validated.get("kv_events_hash", self.kv_events_hash) not in ("int", "bytes"):
             raise ValueError("kv_events_hash must be int or bytes")
+        if validated.get("kv_replay_frames", self.kv_replay_frames) not in (3, 4):
+            raise ValueError("kv_replay_frames must be 3 or 4")
         if not 100 <= validated.get("fail_status", self.fail_status) <= 599:
             raise ValueError("fail_status must be an HTTP status")
         for name, value in validated.items():

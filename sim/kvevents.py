@@ -6,8 +6,10 @@
 - ``BlockStored`` (full blocks only, with their token ids and parent), ``BlockRemoved`` (evictions) and
   ``AllBlocksCleared`` come from the simulated prefix cache's own behaviour (prefix_cache.py), one batch per
   step of the event loop.
-- A ROUTER replay socket answers ``[b"", start_seq]`` with ``[b"", seq, payload]`` for each buffered batch from
-  there, then ``[b"", -1, b""]``; the last ``buffer_steps`` batches are kept.
+- A ROUTER replay socket answers ``[b"", start_seq]`` with ``[b"", topic, seq, payload]`` for each buffered batch
+  from there, then ``[b"", b"", -1, b""]``, as vLLM 0.32 does (``_service_replay``); knob ``kv_replay_frames: 3``
+  answers as older vLLM did, ``[b"", seq, payload]`` then ``[b"", -1, b""]``. The last ``buffer_steps`` batches
+  are kept.
 - Block hashes are the cache's own mixed with a seed drawn per process, as vLLM's are unless PYTHONHASHSEED is
   fixed: two nodes give the same tokens different hashes. Unsigned 64-bit ints, or 16 bytes
   (``kv_events_hash: "bytes"``).
@@ -73,6 +75,17 @@ class KvEventsConfig:
         return cls(endpoint=endpoint, replay_endpoint=replay, topic=topic, buffer_steps=steps)
 
 
+def _extra_keys(blocks: int, lora: str | None, salt: str | None) -> list[tuple[str, ...] | None]:
+    """``extra_keys`` as vLLM 0.32 publishes them (``to_event_extra_keys``): one entry per block, None or the
+    untagged keys mixed into its hash, in vLLM's order: the adapter's name (every block), media (none here),
+    the cache_salt (the request's first block only)."""
+    keys: list[tuple[str, ...] | None] = []
+    for i in range(blocks):
+        entry = (*(() if lora is None else (lora,)), *((salt,) if salt is not None and i == 0 else ()))
+        keys.append(entry or None)
+    return keys
+
+
 def _bindable(endpoint: str) -> str:
     # zmq binds tcp://*:P itself; "[::]" needs IPv6 switched on, "::" alone is vLLM's spelling of it.
     return endpoint.replace("tcp://[::]", "tcp://*").replace("tcp://:::", "tcp://*:")
@@ -90,6 +103,7 @@ class Publisher:
         self._events: list[Any] = []
         self._flush_planned = False
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._lora_ids: dict[str, int] = {}
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -109,17 +123,30 @@ class Publisher:
         mixed = blake2b(self._seed + block, digest_size=16).digest()
         return mixed if self._knobs.kv_events_hash == "bytes" else int.from_bytes(mixed[:8], "big")
 
-    def stored(self, parent: bytes | None, blocks: Sequence[bytes], token_ids: Sequence[int]) -> None:
+    def stored(
+        self,
+        parent: bytes | None,
+        blocks: Sequence[bytes],
+        token_ids: Sequence[int],
+        *,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
         fields = {
             "block_hashes": [self._hash(b) for b in blocks],
             "parent_block_hash": None if parent is None else self._hash(parent),
             "token_ids": list(token_ids),
             "block_size": self._block_size,
-            "lora_id": None,
+            "lora_id": None if lora is None else self._lora_id(lora),
             "medium": MEDIUM,
-            "lora_name": None,
+            "lora_name": lora,
+            "extra_keys": _extra_keys(len(blocks), lora, salt),
         }
         self._add("BlockStored", fields)
+
+    def _lora_id(self, name: str) -> int:
+        """vLLM's ``lora_int_id``: a number per adapter, counted from 1 in the order the node first used them."""
+        return self._lora_ids.setdefault(name, len(self._lora_ids) + 1)
 
     def removed(self, blocks: Sequence[bytes]) -> None:
         self._add("BlockRemoved", {"block_hashes": [self._hash(b) for b in blocks], "medium": MEDIUM})
@@ -172,10 +199,13 @@ class Publisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
+            # vLLM 0.32 puts the topic before the seq (the end marker's topic is empty); older vLLM sent none.
+            topic = (self._topic,) if self._knobs.kv_replay_frames == 4 else ()
+            end = (b"",) if topic else ()
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    await self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            await self._replay.send_multipart((client, b"", END_SEQ, b""))
+                    await self._replay.send_multipart((client, b"", *topic, seq.to_bytes(8, "big"), payload))
+            await self._replay.send_multipart((client, b"", *end, END_SEQ, b""))
 
     def close(self) -> None:
         self._pub.close(0)

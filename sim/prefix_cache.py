@@ -14,8 +14,9 @@ kv_cache_manager.py), reduced to block hashes and counts: no KV data, no I/O.
 - ``usage`` is what vllm:kv_cache_usage_perc reports: blocks held by running requests over capacity (cached but
   unreferenced blocks count as free, as in BlockPool.get_usage).
 - ``capacity`` 0 disables caching: no lookups, no stats (like --no-enable-prefix-caching).
-- A request's ``cache_salt`` goes into its first block's hash, as in vLLM: requests with different salts never
-  share a cached block, whatever their tokens.
+- A request's ``cache_salt`` and LoRA adapter go into its first block's hash (vLLM mixes the adapter into every
+  block's, the salt into the first's; chained, the effect is the same): requests with different salts or adapters
+  never share a cached block, whatever their tokens.
 - A ``listener`` hears of every block that enters the cache (with its parent and token ids), leaves it, or of
   the whole cache cleared: what vLLM publishes as KV-cache events (kvevents.py).
 """
@@ -33,9 +34,12 @@ ROOT = b"vllm-sim-prefix-cache"
 """The first block's parent (vLLM's NONE_HASH, fixed here so that hashes are stable across nodes)."""
 
 
-def salted_root(salt: str | None) -> bytes:
-    """The first block's parent for requests with ``salt`` (ROOT without one)."""
-    return ROOT if salt is None else blake2b(ROOT + b"\0" + salt.encode(), digest_size=16).digest()
+def salted_root(salt: str | None, lora: str | None = None) -> bytes:
+    """The first block's parent for requests with ``salt`` and of adapter ``lora`` (ROOT without either)."""
+    if salt is None and lora is None:
+        return ROOT
+    mixed = f"{lora or ''}\0{salt or ''}\0{int(salt is not None)}".encode()
+    return blake2b(ROOT + b"\0" + mixed, digest_size=16).digest()
 
 
 def block_hashes(ids: Sequence[int], block_size: int, parent: bytes = ROOT) -> list[bytes]:
@@ -48,8 +52,17 @@ def block_hashes(ids: Sequence[int], block_size: int, parent: bytes = ROOT) -> l
 
 
 class CacheListener(Protocol):
-    def stored(self, parent: bytes | None, blocks: Sequence[bytes], token_ids: Sequence[int]) -> None:
-        """``blocks`` (consecutive, after ``parent``; None: the first block) entered the cache."""
+    def stored(
+        self,
+        parent: bytes | None,
+        blocks: Sequence[bytes],
+        token_ids: Sequence[int],
+        *,
+        lora: str | None = None,
+        salt: str | None = None,
+    ) -> None:
+        """``blocks`` (consecutive, after ``parent``; None: the first block) entered the cache, for a request of
+        adapter ``lora``; ``salt`` is the request's cache_salt when the first of them is its first block."""
 
     def removed(self, blocks: Sequence[bytes]) -> None:
         """``blocks`` were evicted."""
@@ -70,7 +83,9 @@ class Lease:
     tokens: int
     """Context length so far (prompt + generated); the engine counts generated tokens here."""
     root: bytes = ROOT
-    """The first block's parent: ROOT, or the request's cache_salt mixed in."""
+    """The first block's parent: ROOT, or the request's cache_salt and adapter mixed in."""
+    salt: str | None = None
+    lora: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -93,11 +108,11 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def admit(self, prompt: Sequence[int], salt: str | None = None) -> Lease:
+    def admit(self, prompt: Sequence[int], salt: str | None = None, lora: str | None = None) -> Lease:
         """Look ``prompt`` up, count the stats and pin its blocks (the request is being scheduled)."""
         if not self.enabled:
             return Lease(prompt=prompt, hashes=[], hit_tokens=0, tokens=len(prompt))
-        root = salted_root(salt)
+        root = salted_root(salt, lora)
         hashes = block_hashes(prompt, self.block_size, root)
         hit = 0
         for block in hashes[: max(0, len(prompt) - 1) // self.block_size]:
@@ -106,10 +121,18 @@ class PrefixCache:
             hit += 1
         self.queries += len(prompt)
         self.hits += hit * self.block_size
-        self._announce(hashes, prompt, None)
+        lease = Lease(
+            prompt=prompt,
+            hashes=hashes,
+            hit_tokens=hit * self.block_size,
+            tokens=len(prompt),
+            root=root,
+            salt=salt,
+            lora=lora,
+        )
+        self._announce(hashes, prompt, None, lease)
         for block in hashes:
             self._pin(block)
-        lease = Lease(prompt=prompt, hashes=hashes, hit_tokens=hit * self.block_size, tokens=len(prompt), root=root)
         self._leases.add(lease)
         self._evict()
         return lease
@@ -125,7 +148,7 @@ class PrefixCache:
         if computed // self.block_size > len(blocks):
             tail = [*lease.prompt[done:], *generated][: computed - done]
             blocks += block_hashes(tail, self.block_size, blocks[-1] if blocks else lease.root)
-            self._announce(blocks[len(lease.hashes) :], tail, lease.hashes[-1] if lease.hashes else None)
+            self._announce(blocks[len(lease.hashes) :], tail, lease.hashes[-1] if lease.hashes else None, lease)
             for block in blocks[len(lease.hashes) :]:
                 self._pin(block)
         for block in reversed(blocks):
@@ -141,9 +164,9 @@ class PrefixCache:
                 self.listener.cleared()
         self._free.clear()
 
-    def _announce(self, blocks: Sequence[bytes], ids: Sequence[int], parent: bytes | None) -> None:
+    def _announce(self, blocks: Sequence[bytes], ids: Sequence[int], parent: bytes | None, lease: Lease) -> None:
         """Tell the listener of the runs of ``blocks`` not cached yet (``ids`` their tokens from the first on,
-        ``parent`` the block before the first; None: it is a request's first)."""
+        ``parent`` the block before the first; None: it is ``lease``'s first)."""
         if self.listener is None:
             return
         size, run = self.block_size, -1
@@ -153,7 +176,8 @@ class PrefixCache:
                 run = i
             elif not new and run >= 0:
                 before = blocks[run - 1] if run else parent
-                self.listener.stored(before, blocks[run:i], ids[run * size : i * size])
+                salt = lease.salt if before is None else None
+                self.listener.stored(before, blocks[run:i], ids[run * size : i * size], lora=lease.lora, salt=salt)
                 run = -1
 
     def _pin(self, block: bytes) -> None:

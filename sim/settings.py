@@ -114,8 +114,19 @@ class SimSettings:
     """Events as vLLM 0.32 sends them, maps tagged by ``type`` ("map"), or as older tagged arrays ("array")."""
     kv_events_hash: str = "int"
     """Block hashes published as unsigned 64-bit ints ("int", vLLM's default) or as bytes ("bytes")."""
+    kv_replay_frames: int = 4
+    """Frames per replay answer: vLLM 0.32's four, ``[b"", topic, seq, payload]``, or older vLLM's three,
+    ``[b"", seq, payload]`` (the end marker alike, with seq -1)."""
     scaling: bool = False
     """Answer every request (but /sim/*) with 503 as vLLM's elastic-EP ScalingMiddleware does while it scales."""
+    ssl_certfile: str | None = None
+    """Serve HTTPS with this PEM certificate (vLLM's --ssl-certfile); None: plain HTTP."""
+    ssl_keyfile: str | None = None
+    """Its PEM private key (vLLM's --ssl-keyfile)."""
+    ssl_ca_certs: str | None = None
+    """CAs client certificates must chain to (vLLM's --ssl-ca-certs)."""
+    ssl_cert_reqs: int = 0
+    """vLLM's --ssl-cert-reqs: 0 no client certificate, 1 optional, 2 required."""
     log_level: str = "info"
     """Python logging level name."""
 

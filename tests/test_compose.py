@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,8 +20,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from tests.support.certs import CertAuthority
 from vllm_etcd_proxy.proxy.flags import build_parser as proxy_parser
 from vllm_etcd_proxy.proxy.flags import settings_from_args as proxy_settings
+from vllm_etcd_proxy.proxy.operations.tls import ServerTls
 from vllm_etcd_proxy.registrar.cli import parse_command_line as registrar_command_line
 from vllm_etcd_proxy.registrar.errors import UsageError
 from vllm_etcd_proxy.sim.cli import parse_settings as sim_settings
@@ -28,6 +31,8 @@ from vllm_etcd_proxy.sim.cli import parse_settings as sim_settings
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yml"
 HAPROXY_CFG = REPO / "docker" / "haproxy.cfg"
+HAPROXY_TLS_CFG = REPO / "docker" / "haproxy-tls.cfg"
+MAKE_CERTS = REPO / "docker" / "tls" / "make-certs.sh"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 DOCKERFILE_VLLM = REPO / "docker" / "Dockerfile.vllm"
 
@@ -125,8 +130,22 @@ def node_services(profile: str | None) -> dict[str, dict[str, Any]]:
     }
 
 
-def proxy_services() -> dict[str, dict[str, Any]]:
-    return {name: s for name, s in SERVICES.items() if programs(argv_of(s))[0] == "vllm-proxy"}
+def proxy_services(profile: str | None = None) -> dict[str, dict[str, Any]]:
+    """Services that run vllm-proxy, in the default set (None) or in ``profile``."""
+    return {
+        name: s
+        for name, s in SERVICES.items()
+        if programs(argv_of(s))[0] == "vllm-proxy" and (profile in profiles(s) if profile else not profiles(s))
+    }
+
+
+def one_shot(name: str) -> bool:
+    """A service that runs to completion before others start (they wait for service_completed_successfully)."""
+    for service in SERVICES.values():
+        deps = service.get("depends_on") or {}
+        if isinstance(deps, dict) and (deps.get(name) or {}).get("condition") == "service_completed_successfully":
+            return True
+    return False
 
 
 @pytest.fixture
@@ -153,7 +172,6 @@ def test_default_stack_has_etcd_haproxy_two_proxies_and_two_simulated_nodes_per_
     default = [name for name, s in SERVICES.items() if not profiles(s)]
     assert "etcd" in default and "haproxy" in default
     assert len(proxy_services()) == 2
-    assert all(not profiles(s) for s in proxy_services().values())
     roles = [flag(split_wrapper(argv_of(s))[0], "--role") or "" for s in node_services(None).values()]
     assert sorted(roles) == ["decode", "decode", "prefill", "prefill"]
     assert all(programs(argv_of(s))[1] == "vllm-sim" for s in node_services(None).values())
@@ -197,7 +215,8 @@ def test_references_between_services_volumes_and_files_exist() -> None:
 def test_every_long_running_service_restarts_and_nodes_drain_before_docker_kills_them() -> None:
     for name, service in SERVICES.items():
         assert service.get("restart") in {"unless-stopped", "always", "on-failure"}, f"{name}: restart policy"
-        assert "healthcheck" in service or name == "haproxy", f"{name}: no healthcheck"
+        balancer = str(service.get("image", "")).startswith("haproxy:")
+        assert "healthcheck" in service or balancer or one_shot(name), f"{name}: no healthcheck"
     for name, service in {**node_services(None), **node_services("vllm")}.items():
         drain = float(flag(split_wrapper(argv_of(service))[0], "--drain-timeout") or 30)
         grace = service.get("stop_grace_period", "10s")
@@ -306,10 +325,10 @@ def test_etcd_advertises_the_url_everyone_uses_and_takes_flags_etcd_knows() -> N
         assert re.search(rf"^\s*{re.escape(name)}\b", help_text, re.M), f"etcd does not know {name}"
 
 
-def _haproxy_sections() -> dict[str, list[str]]:
+def _haproxy_sections(path: Path = HAPROXY_CFG) -> dict[str, list[str]]:
     sections: dict[str, list[str]] = {}
     current = ""
-    for raw in HAPROXY_CFG.read_text().splitlines():
+    for raw in path.read_text().splitlines():
         line = raw.split("#", 1)[0].rstrip()
         if not line.strip():
             continue
@@ -342,6 +361,84 @@ def test_haproxy_balances_tcp_over_both_replicas_checking_ready() -> None:
     assert servers == expected
 
 
+# ---- profile tls: TLS passes through the balancer and ends on the replicas ----
+
+
+def _volume_mount(service: dict[str, Any], volume: str) -> str:
+    """Where ``service`` mounts the named ``volume``."""
+    for entry in service.get("volumes") or []:
+        source, inside = entry.split(":")[:2]
+        if source == volume:
+            return str(inside)
+    raise AssertionError(f"the volume {volume} is not mounted")
+
+
+def test_the_tls_profile_has_tls_replicas_behind_a_tcp_balancer_checking_ready_over_tls() -> None:
+    assert {name for name, s in SERVICES.items() if "tls" in profiles(s)} == {
+        "tls-certs",
+        "haproxy-tls",
+        *proxy_services("tls"),
+    }
+    assert len(proxy_services("tls")) == 2
+    sections = _haproxy_sections(HAPROXY_TLS_CFG)
+    assert "mode tcp" in sections["defaults"]
+    (frontend_name,) = [name for name in sections if name.startswith("frontend ") and "stats" not in name]
+    frontend = sections[frontend_name]
+    (bind,) = [line.split()[1] for line in frontend if line.startswith("bind ")]
+    haproxy = SERVICES["haproxy-tls"]
+    assert f"{bind.lstrip(':')}:{bind.lstrip(':')}" in haproxy["ports"]
+    assert [v for v in haproxy["volumes"] if "haproxy-tls.cfg" in v] == [
+        "./docker/haproxy-tls.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro"
+    ]
+    backend_name = next(line.split()[1] for line in frontend if line.startswith("default_backend"))
+    backend = sections[f"backend {backend_name}"]
+    assert "option httpchk" in backend and not any(line.startswith("mode http") for line in backend)
+    (defaults,) = [line.split() for line in backend if line.startswith("default-server")]
+    assert "check-ssl" in defaults and defaults[defaults.index("verify") + 1] == "required"
+    ca_file = defaults[defaults.index("ca-file") + 1]
+    assert ca_file.startswith(_volume_mount(haproxy, "tls-certs") + "/")
+    servers = {line.split()[1]: line.split()[2] for line in backend if line.startswith("server ")}
+    expected = {}
+    for name, service in proxy_services("tls").items():
+        args = proxy_parser().parse_args(argv_of(service)[1:])
+        expected[name] = f"{name}:{args.port}"
+        assert args.ssl_certfile and args.ssl_keyfile, f"{name} serves TLS"
+        mount = _volume_mount(service, "tls-certs")
+        assert args.ssl_certfile.startswith(mount + "/") and args.ssl_keyfile.startswith(mount + "/")
+        check = " ".join(service["healthcheck"]["test"])
+        assert f"https://127.0.0.1:{args.port}/health" in check and ca_file.removeprefix("/certs/") in check
+        deps = service["depends_on"]
+        assert deps["tls-certs"]["condition"] == "service_completed_successfully"
+    assert servers == expected
+
+
+def test_the_certificate_script_makes_a_pair_each_tls_replica_loads_and_clients_verify(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    certs = SERVICES["tls-certs"]
+    assert f"./docker/tls/make-certs.sh:{argv_of(certs)[-1]}:ro" in certs["volumes"]
+    env = {**os.environ, "CERTS_DIR": str(tmp_path), "CERTS_OWNER": str(os.getuid())}
+    for _ in range(2):  # the second run keeps what the first made
+        done = subprocess.run(["sh", str(MAKE_CERTS)], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert "keeping" in done.stdout and not (tmp_path / "ca.key").exists(), "the CA's key is gone once it signed"
+    names = [*proxy_services("tls"), "localhost"]
+    for name, service in proxy_services("tls").items():
+        settings = _proxy(argv_of(service))
+        mount = _volume_mount(service, "tls-certs")
+        assert settings.tls is not None and settings.tls.keyfile is not None
+        local = replace(
+            settings.tls,
+            certfile=str(tmp_path / settings.tls.certfile.removeprefix(mount + "/")),
+            keyfile=str(tmp_path / settings.tls.keyfile.removeprefix(mount + "/")),
+        )
+        ServerTls(local)  # the replica would start with it
+        for host in names:
+            check = ["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), "-verify_hostname", host, local.certfile]
+            verified = subprocess.run(check, capture_output=True, text=True, timeout=30)
+            assert verified.returncode == 0, f"{name}: {host}: {verified.stdout}{verified.stderr}"
+
+
 def test_dockerfiles_install_our_package_from_files_that_exist() -> None:
     for path, base in ((DOCKERFILE, "python:3.11-slim"), (DOCKERFILE_VLLM, "vllm/vllm-openai")):
         text = path.read_text()
@@ -362,19 +459,24 @@ def test_docker_compose_config_accepts_the_file_and_both_profiles() -> None:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (optional: apt-get install docker-compose)")
-    for extra in ([], ["--profile", "vllm"], ["--profile", "observe"]):
+    for extra in ([], ["--profile", "vllm"], ["--profile", "observe"], ["--profile", "tls"]):
         done = subprocess.run(
             [binary, "-f", str(COMPOSE), *extra, "config", "-q"], capture_output=True, text=True, timeout=60, cwd=REPO
         )
         assert done.returncode == 0, done.stderr
 
 
-def test_haproxy_accepts_its_config() -> None:
+def test_haproxy_accepts_its_configs(tmp_path: Path) -> None:
     binary = shutil.which("haproxy")
     if binary is None:
         pytest.skip("haproxy is not installed (optional: apt-get install haproxy)")
-    done = subprocess.run([binary, "-c", "-f", str(HAPROXY_CFG)], capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stdout + done.stderr
+    # The TLS one reads the CA from the tls-certs volume: here, from a CA of the test's own.
+    CertAuthority(tmp_path / "certs")
+    tls_cfg = tmp_path / "haproxy-tls.cfg"
+    tls_cfg.write_text(HAPROXY_TLS_CFG.read_text().replace("/certs/", f"{tmp_path}/certs/"))
+    for path in (HAPROXY_CFG, tls_cfg):
+        done = subprocess.run([binary, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 # ---- profile observe: Prometheus and Grafana, provisioned with our rules and dashboard ----

@@ -119,6 +119,18 @@ def test_the_http_client_to_the_nodes_sits_below_serving_and_discovery() -> None
     assert not upward, f"a room imports a room above it: {sorted(upward)}"
 
 
+def test_what_the_request_path_records_sits_below_every_room_that_records_it() -> None:
+    rooms = (".serving", ".discovery", ".routing", ".operations", ".tenancy", ".upstream")
+    upward = {
+        f"{m} -> {d}"
+        for m, deps in _proxy_import_graph().items()
+        if ".telemetry" in m
+        for d in deps
+        if any(r in d for r in rooms)
+    }
+    assert not upward, f"telemetry/ imports a room above it: {sorted(upward)}"
+
+
 def test_no_import_circles_among_the_proxy_modules() -> None:
     graph = _proxy_import_graph()
     done: set[str] = set()

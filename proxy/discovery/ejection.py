@@ -87,7 +87,9 @@ class Ejector:
         """Probe ejected nodes when due, from ``PARALLEL_PROBES`` workers at ``rate`` probes a second at most."""
         for state in self._pool.ejected():
             self._schedule.put(state.entry_key, state.probe_at, urgent=True)
-        await asyncio.gather(*(self._work() for _ in range(PARALLEL_PROBES)))
+        async with asyncio.TaskGroup() as workers:  # one failing worker stops them all (a supervisor restarts)
+            for _ in range(PARALLEL_PROBES):
+                workers.create_task(self._work())
 
     async def _work(self) -> None:
         while True:

@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import zmq.asyncio
 
+from vllm_etcd_proxy.proxy.discovery.kvreplay import REPLAY_TIMEOUT
 from vllm_etcd_proxy.proxy.discovery.kvsub import KvSink, KvStats, Subscriber
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
 log = logging.getLogger(__name__)
+
+STARTUP_GRACE = 2 * REPLAY_TIMEOUT
+"""Seconds after start during which a publisher's first replay holds the replica's readiness (``catching_up``):
+long enough for a node that answers, short enough that one that never does delays nothing for long."""
 
 
 class KvSubscribers:
@@ -24,6 +30,7 @@ class KvSubscribers:
         self.stats = KvStats()
         self._subs: dict[str, tuple[Subscriber, asyncio.Task[None]]] = {}
         self._context: zmq.asyncio.Context | None = None
+        self._started_at: float | None = None
         pool.on_node(self._changed)
         pool.on_drop(self._dropped)
 
@@ -35,6 +42,14 @@ class KvSubscribers:
         found = self._subs.get(name)
         return found is not None and found[0].tracked
 
+    def catching_up(self) -> int:
+        """Publishers whose first replay is not applied yet, in the replica's first ``STARTUP_GRACE`` seconds (0
+        after): a replica that takes traffic only after them routes its first requests on what the nodes hold.
+        Nodes that join later never hold readiness back."""
+        if self._started_at is None or time.monotonic() - self._started_at > STARTUP_GRACE:
+            return 0
+        return sum(not (sub.caught_up and sub.tracked) for sub, _ in self._subs.values())
+
     def view(self, name: str) -> dict[str, Any] | None:
         found = self._subs.get(name)
         return None if found is None else found[0].view()
@@ -42,6 +57,7 @@ class KvSubscribers:
     def start(self) -> None:
         """Subscribe to the nodes known now, and to those that come later (call in the running loop)."""
         self._context = zmq.asyncio.Context()
+        self._started_at = time.monotonic()
         for state in self._pool.all():
             self._changed(state)
 
@@ -76,6 +92,7 @@ class KvSubscribers:
                 await sub.run(self._context)
             except Exception:
                 log.exception("kv events subscriber failed node=%s", sub.name)
+                sub.caught_up = True
             self._sink.drop(sub.name)
             sub.last_seq = None
             await asyncio.sleep(1.0)

@@ -1,5 +1,10 @@
-"""A node's KV-event replay socket, as a client: vLLM's ROUTER answers a DEALER's ``[b"", start_seq]`` with
-``[b"", seq, payload]`` for each batch it still buffers from there on, then ``[b"", -1, b""]``."""
+"""A node's KV-event replay socket, as a client: a DEALER sends ``[b"", start_seq]`` to vLLM's ROUTER, which
+answers each batch it still buffers from there on, then an end marker whose seq is -1.
+
+vLLM 0.32 answers four frames, ``[b"", topic, seq, payload]``, and ends with ``[b"", b"", -1, b""]``
+(``ZmqEventPublisher._service_replay``); older vLLM answered three, ``[b"", seq, payload]`` and ``[b"", -1, b""]``.
+Both are read: the frame count tells which.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,17 @@ REPLAY_TIMEOUT = 2.0
 """Seconds to wait for each answer of a replay socket."""
 
 
+def read_answer(frames: list[bytes]) -> tuple[int, bytes]:
+    """(seq, payload) of one replay answer in either form (seq -1: the end). ``Malformed`` when it is neither."""
+    if len(frames) == 4 and frames[0] == b"":
+        return read_seq(frames[2]), frames[3]
+    if len(frames) == 3 and frames[0] == b"":
+        return read_seq(frames[1]), frames[2]
+    raise Malformed(
+        f"a replay answer of {len(frames)} frames is neither [b'', topic, seq, payload] nor [b'', seq, payload]"
+    )
+
+
 async def replay(
     context: zmq.asyncio.Context, endpoint: str, start: int, malformed: Callable[[str], None]
 ) -> AsyncGenerator[tuple[int, bytes], None]:
@@ -28,13 +44,14 @@ async def replay(
         await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), REPLAY_TIMEOUT)
         while True:
             frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT)
-            if len(frames) != 3:
-                malformed("a replay answer is not 3 frames")
+            try:
+                seq, payload = read_answer(frames)
+            except Malformed as exc:
+                malformed(str(exc))
                 continue
-            seq = read_seq(frames[1])
             if seq == -1:
                 return
-            yield seq, frames[2]
+            yield seq, payload
     finally:
         dealer.close(0)
 

@@ -79,6 +79,8 @@ class Subscriber:
         self._sink, self._stats = sink, stats
         self.connected = False
         self.silent = False
+        self.caught_up = replay is None
+        """Its first replay (what the node held before this replica subscribed) is applied, or failed."""
         self.last_seq: int | None = None
         self._replayed: dict[int, int] = {}
         """seq -> hash of the payload, of the batches the last replay brought: the same batch seen live again
@@ -138,6 +140,7 @@ class Subscriber:
             sub.connect(self.endpoint)
             if self.replay is not None:
                 await self._catch_up(context, 0)
+            self.caught_up = True
             # The sockets' own file descriptors wake this task, rather than pyzmq's asyncio Poller, whose every
             # poll costs futures, a timer and a callback per socket: a batch came at 0.2-0.4 ms of CPU that way.
             for socket in (raw, watch):

@@ -4,7 +4,11 @@ A frame is ``[topic, seq (8 bytes, big-endian), payload]``; the payload a msgpac
 ``[ts, events, data_parallel_rank]`` or a map with those names. Each event is a map tagged by ``type`` (vLLM
 0.32) or an array whose first item is the tag (older vLLM), with the fields in vLLM's order:
 ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...)``,
-``BlockRemoved(block_hashes, medium, ...)``, ``AllBlocksCleared()``. Hashes are ints or bytes; bytes are folded
+``BlockRemoved(block_hashes, medium, ...)``, ``AllBlocksCleared()``. ``extra_keys`` (vLLM 0.32, after
+``lora_name``) has one entry per block: None, or the untagged keys vLLM mixed into that block's hash besides its
+tokens, in this order: the adapter's name, ``[media id, offset]`` pairs, the ``cache_salt`` (first block only),
+prompt-embedding digests. They are kept, the adapter's name left out (it keys the chain already), so that the
+index keys a block as vLLM does. Hashes are ints or bytes; bytes are folded
 to 60-bit ints (the index keys on token ids, hashes only name blocks within one node). Unknown fields and
 unknown event types are ignored; blocks held elsewhere than on the GPU (offloading media) and in a KV-cache
 group other than the first (hybrid models) are left out, so each block is counted once.
@@ -32,6 +36,12 @@ class Stored(NamedTuple):
     block_size: int
     lora: str
     """The LoRA adapter's name, ``""`` for the base model; ``"#N"`` when only an old ``lora_id`` is given."""
+    extra: list[Extra | None] | None = None
+    """Per block, the other keys vLLM mixed into its hash (salt, media, embeddings); None when no block has any."""
+
+
+Extra = tuple[object, ...]
+"""A block's extra keys, made hashable: arrays become tuples."""
 
 
 class Removed(NamedTuple):
@@ -78,7 +88,18 @@ def _hashes(value: object) -> list[int]:
     return [_hash(v) for v in value]
 
 
-_STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
+_STORED = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+)
+_MAX_EXTRA_DEPTH = 4
+"""Arrays within arrays an extra key may have (vLLM's deepest is a ``[media id, offset]`` pair in a block's list)."""
 _REMOVED = ("block_hashes", "medium")
 
 
@@ -92,6 +113,36 @@ def _fields(event: object, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
     if isinstance(event, list) and event and isinstance(event[0], str):
         return event[0], dict(zip(names, event[1:], strict=False))
     raise Malformed("an event is neither a map nor a tagged array")
+
+
+def _frozen(value: object, depth: int = 0) -> object:
+    if isinstance(value, list) and depth < _MAX_EXTRA_DEPTH:
+        return tuple(_frozen(v, depth + 1) for v in value)
+    if isinstance(value, str | bytes | int | float | bool) or value is None:
+        return value
+    raise Malformed("an extra key is neither a string, bytes, a number nor an array of them")
+
+
+def _extra(value: object, blocks: int, lora: str) -> list[Extra | None] | None:
+    """``extra_keys``, one entry per block, without the adapter's name that leads each entry of an adapter's
+    blocks; None when no block has another key (the common case costs one pass over short lists)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != blocks:
+        raise Malformed("extra_keys is not one entry per block")
+    found: list[Extra | None] = []
+    others = False
+    for entry in value:
+        if entry is None:
+            found.append(None)
+            continue
+        if not isinstance(entry, list):
+            raise Malformed("an extra_keys entry is neither null nor an array")
+        keys = entry[1:] if lora and entry and entry[0] == lora else entry
+        frozen = tuple(_frozen(key, 1) for key in keys)
+        found.append(frozen or None)
+        others = others or bool(frozen)
+    return found if others else None
 
 
 def read_event(event: object) -> Event | None:
@@ -109,7 +160,8 @@ def read_event(event: object) -> Event | None:
         parent = f.get("parent_block_hash")
         lora, lora_id = f.get("lora_name"), f.get("lora_id")
         name = lora if isinstance(lora, str) else f"#{lora_id}" if isinstance(lora_id, int) else ""
-        return Stored(hashes, None if parent is None else _hash(parent), ids, size, name)
+        extra = _extra(f.get("extra_keys"), len(hashes), lora if isinstance(lora, str) else "")
+        return Stored(hashes, None if parent is None else _hash(parent), ids, size, name, extra)
     if tag == "BlockRemoved":
         _, f = _fields(event, _REMOVED)
         if f.get("medium") not in _MEDIA or f.get("group_idx") not in (None, 0):

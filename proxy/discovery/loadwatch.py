@@ -119,7 +119,9 @@ class LoadWatcher:
     async def run(self) -> None:
         for state in list(self._pool.routable()):  # nodes that came before this task started
             self._noticed(state)
-        await asyncio.gather(*(self._work() for _ in range(PARALLEL_SCRAPES)))
+        async with asyncio.TaskGroup() as workers:  # one failing worker stops them all (a supervisor restarts)
+            for _ in range(PARALLEL_SCRAPES):
+                workers.create_task(self._work())
 
     async def _work(self) -> None:
         while True:

@@ -69,7 +69,9 @@ class ModelProber:
     async def run(self) -> None:
         for state in self._pool.all():  # nodes that came before this task started
             self._noticed(state)
-        await asyncio.gather(*(self._work() for _ in range(PARALLEL_PROBES)))
+        async with asyncio.TaskGroup() as workers:  # one failing worker stops them all (a supervisor restarts)
+            for _ in range(PARALLEL_PROBES):
+                workers.create_task(self._work())
 
     async def _work(self) -> None:
         while True:

@@ -25,9 +25,9 @@ from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, 
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.prober import fetch_models
 from vllm_etcd_proxy.proxy.errors import BadRequest, Forbidden, ServiceUnavailable, Unauthorized
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.serving.guard import bearer_token
 from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, parse_object, read_body
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 

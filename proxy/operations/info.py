@@ -60,7 +60,9 @@ class Lifecycle:
     shutting_down: bool = False
 
 
-def not_ready_reason(lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool) -> str | None:
+def not_ready_reason(
+    lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool, kv_catching_up: int = 0
+) -> str | None:
     """Why the replica should not get traffic now (what /ready answers), or None."""
     if lifecycle.shutting_down:
         return "shutting down"
@@ -68,6 +70,8 @@ def not_ready_reason(lifecycle: Lifecycle, discovery: DiscoveryState, pool: Pool
         return "etcd discovery has not synced yet"
     if not pool.routable():
         return "no routable node"
+    if kv_catching_up:
+        return f"replaying the KV-cache events of {kv_catching_up} node(s)"
     return None
 
 
@@ -80,8 +84,10 @@ class InfoRoutes:
         registry: CollectorRegistry,
         lifecycle: Lifecycle,
         kv_view: Callable[[NodeState], dict[str, Any] | None] | None = None,
+        kv_catching_up: Callable[[], int] = lambda: 0,
     ) -> None:
         self._kv_view = kv_view
+        self._kv_catching_up = kv_catching_up
         self._lifecycle = lifecycle
         self._pool = pool
         self._discovery = discovery
@@ -101,7 +107,7 @@ class InfoRoutes:
         return Response(status_code=200)
 
     async def ready(self, request: Request) -> Response:
-        reason = not_ready_reason(self._lifecycle, self._discovery, self._pool)
+        reason = not_ready_reason(self._lifecycle, self._discovery, self._pool, self._kv_catching_up())
         if reason is None:
             return JSONResponse({"ready": True})
         return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "1"})

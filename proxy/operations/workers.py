@@ -53,6 +53,9 @@ def worker_main(argv: Sequence[str]) -> None:
     """Entry point of one worker process: the same flags and environment as the parent, its own replica."""
     # Our own process group: a terminal's Ctrl-C reaches the parent only, which then asks each worker once.
     os.setpgrp()
+    # The parent passes SIGHUP on to every worker: one with nothing to reload must not die of it meanwhile (nor
+    # one still starting, before its app handles SIGHUP).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
@@ -82,7 +85,7 @@ class _Supervisor:
         self._stop.set()
 
     def _forward_hup(self, signum: int, frame: FrameType | None) -> None:
-        for process in self._workers:  # each worker reloads its --api-key-file
+        for process in self._workers:  # each worker reloads its --api-key-file and TLS certificate
             if process.is_alive() and process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGHUP)

@@ -3,8 +3,11 @@
 vLLM names a block by a hash seeded per process, so two nodes holding the same tokens name them differently.
 The index names a block by its own chain of the token ids instead: the key of block ``i`` hashes the key of
 block ``i - 1`` (or, for the first, the LoRA adapter's name and the block size) with the block's ``block_size``
-token ids, so one key means one whole prefix. A request's prompt is read the same way (``chain``), and its
-longest cached prefix on a node is the run of its keys that the node holds.
+token ids, and with the other keys vLLM mixed into that block's hash (its events' ``extra_keys``: the
+``cache_salt`` on the first block, media and embedding digests where they are), so one key means one whole
+prefix as vLLM would reuse it: two requests with the same tokens and different salts share no key. A request's
+prompt is read the same way (``chain``), and its longest cached prefix on a node is the run of its keys that the
+node holds.
 
 For each key the index keeps the nodes holding it: a node's slot number while one node does (the common case,
 which costs no object of its own) or a bit mask of slots. For each node it keeps its own hashes -> our keys
@@ -32,15 +35,23 @@ _MASK = (1 << 60) - 1
 """Keys fit 60 bits: Python keeps such an int in 32 bytes (64-bit ones take 36)."""
 
 
-def chain(ids: Sequence[int], block_size: int, lora: str = "", blocks: int | None = None) -> list[int]:
-    """The keys of the full blocks of ``ids`` (at most ``blocks`` of them), as the index names them."""
+def chain(ids: Sequence[int], block_size: int, lora: str = "", blocks: int | None = None, salt: str = "") -> list[int]:
+    """The keys of the full blocks of ``ids`` (at most ``blocks`` of them), as the index names them, for a request
+    of adapter ``lora`` with ``cache_salt`` ``salt`` ("": none)."""
     key = hash((lora, block_size)) & _MASK
     count = len(ids) // block_size if blocks is None else min(blocks, len(ids) // block_size)
     keys = []
     for start in range(0, count * block_size, block_size):
         key = hash((key, *ids[start : start + block_size])) & _MASK
+        if salt and not start:
+            key = _with_extra(key, (salt,))
         keys.append(key)
     return keys
+
+
+def _with_extra(key: int, extra: tuple[object, ...]) -> int:
+    """A block's key with the other keys vLLM mixed into its hash."""
+    return hash((key, extra)) & _MASK
 
 
 @dataclass(eq=False)
@@ -137,11 +148,13 @@ class KvIndex:
                 node.orphans += len(event.hashes)
                 return None
             key = parent
-        holders, slot, bit = self._holders, node.slot, 1 << node.slot
+        holders, slot, bit, extra = self._holders, node.slot, 1 << node.slot, event.extra
         first: int | None = key if event.parent is not None else None
         new, last, previous, room = False, key, first, self._max - len(blocks)
         for i, engine_hash in enumerate(event.hashes):
             before, key = key, hash((key, *ids[i * size : (i + 1) * size])) & _MASK
+            if extra is not None and (keys := extra[i]) is not None:
+                key = _with_extra(key, keys)
             if room <= 0 and engine_hash not in blocks:
                 node.over += len(event.hashes) - i
                 break

@@ -83,13 +83,15 @@ class _Given:
 
 
 class KvPrompt:
-    """One request's token ids, with their block keys per (block size, adapter), computed when first asked."""
+    """One request's token ids, with their block keys per (block size, adapter), computed when first asked.
+    ``salt``: the request's ``cache_salt`` ("": none), which vLLM mixes into its first block's hash."""
 
-    __slots__ = ("model", "_source", "_keys")
+    __slots__ = ("model", "salt", "_source", "_keys")
 
-    def __init__(self, ids: Sequence[int] | TokenIds, model: str) -> None:
+    def __init__(self, ids: Sequence[int] | TokenIds, model: str, salt: str = "") -> None:
         self._source: TokenIds = _Given(ids) if isinstance(ids, Sequence) else ids
         self.model = model
+        self.salt = salt
         self._keys: dict[tuple[int, str], list[int]] = {}
 
     @property
@@ -114,11 +116,13 @@ class KvPrompt:
         if within is not None and not self._source.complete:
             head = self._source.head(within + 1)  # one more: a block ending at ``within`` is not the last
             if not self._source.complete:
-                return chain(head, block_size, lora, within // block_size)
+                return chain(head, block_size, lora, within // block_size, self.salt)
         found = self._keys.get((block_size, lora))
         if found is None:
             ids = self.ids
-            found = self._keys[(block_size, lora)] = chain(ids, block_size, lora, (len(ids) - 1) // block_size)
+            found = self._keys[(block_size, lora)] = chain(
+                ids, block_size, lora, (len(ids) - 1) // block_size, self.salt
+            )
         return found
 
 
@@ -130,5 +134,6 @@ def read_prompt(prompt_ids: PromptIds, model: str, path: str, body: Mapping[str,
     ids = prompt_ids(model, body, kind)
     if ids is None:
         return None
-    prompt = KvPrompt(ids, model)
+    salt = body.get("cache_salt")
+    prompt = KvPrompt(ids, model, salt if isinstance(salt, str) else "")
     return prompt if prompt.head(1) else None

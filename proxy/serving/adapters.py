@@ -30,9 +30,9 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, UpstreamFailed
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import _stable_hash, node_load, prefer_adapter
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +83,15 @@ class AdapterLoader:
         """The node failed to load the adapter less than ``FAILED_HOLD`` seconds ago."""
         return self._failed.get((state.entry_key, name), 0.0) > time.monotonic()
 
-    def prefer(self, model: str) -> Callable[[list[NodeState]], list[NodeState]]:
-        """What narrows a request's candidates: ``prefer_adapter`` when ``model`` is an adapter (registered, or
-        one whose card on the first candidate has a ``parent``: adapters the nodes list themselves)."""
-        registered = self._registry.get(model) is not None
-
-        def narrow(candidates: list[NodeState]) -> list[NodeState]:
-            card = candidates[0].cards.get(model) if candidates and not registered else None
-            if registered or (card is not None and card.get("parent")):
-                return prefer_adapter(candidates, model)
-            return candidates
-
-        return narrow
+    def narrow(self, model: str, candidates: list[NodeState]) -> list[NodeState]:
+        """A request's candidates: ``prefer_adapter``'s when ``model`` is an adapter (registered, or one whose card
+        on the first candidate has a ``parent``: adapters the nodes list themselves), else as they are."""
+        if self._registry.get(model) is not None:
+            return prefer_adapter(candidates, model)
+        card = candidates[0].cards.get(model) if candidates else None
+        if card is not None and card.get("parent"):
+            return prefer_adapter(candidates, model)
+        return candidates
 
     def _have(self, name: str) -> list[NodeState]:
         return [s for role in ROLES for s in self._pool.candidates(role, name)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -21,12 +21,10 @@ import orjson
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 from vllm_etcd_proxy.proxy.serving.bodies import with_field
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
-from vllm_etcd_proxy.proxy.settings import TimeoutSettings
-from vllm_etcd_proxy.proxy.tracing.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -64,82 +62,42 @@ def decode_body(raw: bytes, body: Mapping[str, Any], kv_transfer_params: Any) ->
     return with_field(raw, body, "kv_transfer_params", kv_transfer_params)
 
 
-class Disaggregator:
-    """Runs the two legs for one request and returns the decode node's open response."""
+class DisaggregatedFlow:
+    """Runs the two legs of one request and returns the decode node's open response."""
 
-    def __init__(self, forwarder: Forwarder, timeouts: TimeoutSettings) -> None:
+    mode = "disagg"
+    __slots__ = ("_forwarder", "_first_byte", "_prefill")
+
+    def __init__(self, forwarder: Forwarder, first_byte_timeout: float, prefill_timeout: float) -> None:
         self._forwarder = forwarder
-        self._timeouts = timeouts
+        self._first_byte = first_byte_timeout
+        self._prefill = prefill_timeout
 
-    async def run(
-        self,
-        *,
-        path: bytes,
-        model: str,
-        raw: bytes,
-        body: Mapping[str, Any],
-        head: bytes,
-        affinity: str | None,
-        avoid: Collection[NodeState] = (),
-        trace: RequestTrace | None = None,
-        prompt: KvPrompt | None = None,
-    ) -> Upstream | ErrorAnswer:
-        kv = await self._prefill(
-            path=path, model=model, body=body, head=head, affinity=affinity, trace=trace, prompt=prompt
-        )
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        body = request.body
+        assert body is not None  # the generate routes' JSON
+        kv = await self._prefill_leg(request, body)
         if isinstance(kv, (Upstream, ErrorAnswer)):
             return kv
-        leg = Leg(
-            roles=(Role.DECODE,),
-            model=model,
-            path=path,
-            head=head,
-            timeout=self._timeouts.first_byte,
-            body=decode_body(raw, body, kv),
-            affinity=affinity,
-            trace=trace,
-            prompt=prompt,
-        )
-        return await self._forwarder.open(leg, avoid)
+        leg = Leg(roles=(Role.DECODE,), body=decode_body(request.raw, body, kv), timeout=self._first_byte)
+        return await self._forwarder.open(request, leg, avoid)
 
-    async def _prefill(
-        self,
-        *,
-        path: bytes,
-        model: str,
-        body: Mapping[str, Any],
-        head: bytes,
-        affinity: str | None,
-        trace: RequestTrace | None,
-        prompt: KvPrompt | None = None,
-    ) -> Any:
-        """Returns the prefill answer's kv_transfer_params, or the node's error answer to pass on."""
-        total = self._timeouts.prefill
-        leg = Leg(
-            roles=(Role.PREFILL,),
-            model=model,
-            path=path,
-            head=head,
-            timeout=total,
-            trace=trace,
-            deadline=time.monotonic() + total,
-            body=prefill_body(body),
-            affinity=affinity,
-            prompt=prompt,
-        )
+    async def _prefill_leg(self, request: ProxyRequest, body: Mapping[str, Any]) -> Any:
+        """Returns the prefill answer's kv_transfer_params, or the node's answer to pass on (an error, or a 4xx
+        the client is to see: prompt too long, a bad parameter)."""
+        total = self._prefill
+        leg = Leg(roles=(Role.PREFILL,), body=prefill_body(body), timeout=total, deadline=time.monotonic() + total)
         try:
-            answer = await self._forwarder.open(leg)
+            answer = await self._forwarder.open(request, leg)
         except UpstreamTimeout:
             raise UpstreamTimeout(f"prefill leg did not finish within {total:g} s") from None
         if isinstance(answer, ErrorAnswer) or answer.status != 200:
-            # A 4xx from the prefill node (prompt too long, bad parameter) is the client's to see.
             return answer
         outcome = "broken"
         try:
             raw = await answer.read_all(_MAX_PREFILL_ANSWER)
             outcome = "ok"
-            if answer.span is not None:
-                answer.span.usage(usage_of(raw)[0], None)  # its one token is not the answer's
+            answer.span.usage(usage_of(raw)[0], None)  # its one token is not the answer's
         finally:
             answer.close(outcome)
         try:

@@ -19,11 +19,11 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import NoNodeAvailable, ProxyError, UpstreamFailed, UpstreamTimeout
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
+from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.settings import ProxySettings
-from vllm_etcd_proxy.proxy.tracing.spans import LegSpan, RequestTrace
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.telemetry.spans import NO_LEG, LegSpan
 from vllm_etcd_proxy.proxy.upstream.transport import Origin, Transport, UpstreamRequest, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -63,32 +63,19 @@ class ErrorAnswer:
 
 
 class Leg(NamedTuple):
-    """One HTTP request to be sent to some node of ``roles`` (tried in order) serving ``model``."""
+    """One HTTP request, of a client request's, to be sent to some node of ``roles`` (tried in order); the model,
+    path, headers and routing hints are the client request's (``ProxyRequest``)."""
 
     roles: tuple[Role, ...]
-    model: str
-    path: bytes
-    """Path and query, as sent to the node."""
-    head: bytes
-    """Header lines for the node, each ending in CRLF (see ``header_lines``)."""
     body: bytes
     timeout: float
     """Seconds until response headers, per attempt."""
     deadline: float | None = None
     """``time.monotonic()`` by which some attempt must have answered (the prefill leg's total timeout)."""
-    affinity: str | None = None
-    """Key the affinity policy routes by (session, user or prompt prefix); None for the others."""
-    method: bytes = b"POST"
-    pinned: NodeState | None = None
-    """The one node this leg may go to (it holds state the request refers to): no policy, no other node."""
     body_for: Callable[[NodeState], bytes] | None = None
     """The body for the node chosen, when it depends on the node (instead of ``body``)."""
-    trace: RequestTrace | None = None
-    """The client request's span when tracing is on: each attempt is a child span, and the node's parent."""
-    prefer: Callable[[list[NodeState]], list[NodeState]] | None = None
-    """Narrows the candidates before the policy chooses (a LoRA adapter's nodes where it is active first)."""
-    prompt: KvPrompt | None = None
-    """The request's token ids, when known, for the kv-aware policy."""
+    narrow: bool = False
+    """Candidates narrowed before the policy chooses (a LoRA adapter's nodes where it is active first)."""
 
 
 def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -111,7 +98,7 @@ class Upstream:
         state: NodeState,
         role: Role,
         response: UpstreamResponse,
-        span: LegSpan | None = None,
+        span: LegSpan = NO_LEG,
     ) -> None:
         self._forwarder = forwarder
         self.state = state
@@ -119,7 +106,7 @@ class Upstream:
         self.response = response
         self._closed = False
         self.span = span
-        """The leg's span (tracing on), ended with the response."""
+        """The leg's span, ended with the response."""
 
     @property
     def status(self) -> int:
@@ -146,8 +133,11 @@ class Upstream:
         self._closed = True
         self.response.close()
         self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken")
-        if self.span is not None:
-            self.span.end(outcome, self.response.status)
+        self.span.end(outcome, self.response.status)
+
+
+Narrow = Callable[[str, list[NodeState]], list[NodeState]]
+"""(model, candidates) -> the candidates a leg that narrows goes to (a LoRA adapter's nodes where it is active)."""
 
 
 class Forwarder:
@@ -161,6 +151,7 @@ class Forwarder:
         settings: ProxySettings,
         metrics: ProxyMetrics,
         ejector: Ejector,
+        narrow: Narrow = lambda model, candidates: candidates,
     ) -> None:
         self._transport = transport
         self._ejector = ejector
@@ -169,41 +160,44 @@ class Forwarder:
         self._policies = policies
         self._attempts = settings.max_attempts
         self._metrics = metrics
+        self._narrow = narrow
 
-    def _candidates(self, leg: Leg) -> tuple[Role, list[NodeState]]:
+    def _candidates(self, model: str, leg: Leg) -> tuple[Role, list[NodeState]]:
         for role in leg.roles:
-            found = self._pool.candidates(role, leg.model)
+            found = self._pool.candidates(role, model)
             if found:
-                return role, found if leg.prefer is None else leg.prefer(found)
+                return role, self._narrow(model, found) if leg.narrow else found
         return leg.roles[0], []
 
-    async def open(self, leg: Leg, avoid: Collection[NodeState] = ()) -> Upstream | ErrorAnswer:
-        """Send ``leg`` to a node, retrying elsewhere on connect errors, timeouts, 5xx and 429.
+    async def open(self, request: ProxyRequest, leg: Leg, avoid: Collection[NodeState] = ()) -> Upstream | ErrorAnswer:
+        """Send ``leg`` of ``request`` to a node, retrying elsewhere on connect errors, timeouts, 5xx and 429.
 
         Returns an ``Upstream`` for a 2xx/4xx answer. When every attempt got an HTTP error answer, returns the
         last one, already read, so the client sees the node's own error. Raises ``ProxyError`` when no node
         could be tried or none answered at all. Nodes in ``avoid`` (the node a resumed stream just failed on)
-        count as tried: the policy picks them only when no other node is left.
+        count as tried: the policy picks them only when no other node is left. A request with a ``pinned`` node
+        goes there or nowhere.
         """
         # A failed node is often the least loaded one (its stalled streams were just released), so without
         # this a continuation would go straight back to the node that stopped sending.
         tried: list[NodeState] = list(avoid)
         last_error: ProxyError | None = None
         last_answer: ErrorAnswer | None = None
+        model, pinned = request.model or "", request.pinned
         for attempt in range(self._attempts):
             if leg.deadline is not None and time.monotonic() >= leg.deadline:
                 break
-            if leg.pinned is not None:
-                role, state = leg.pinned.node.role, (leg.pinned if not tried else None)
+            if pinned is not None:
+                role, state = pinned.node.role, (pinned if not tried else None)
             else:
-                role, candidates = self._candidates(leg)
-                state = self._policies[role].choose(candidates, tried, leg.affinity, leg.prompt)
+                role, candidates = self._candidates(model, leg)
+                state = self._policies[role].choose(candidates, tried, request.affinity, request.prompt)
             if state is None:
                 break
             if attempt:
                 self._metrics.retry(role)
             tried.append(state)
-            result = await self._attempt(state, role, leg, attempt)
+            result = await self._attempt(request, state, role, leg, attempt)
             if isinstance(result, Upstream):
                 return result
             if isinstance(result, ErrorAnswer):
@@ -214,30 +208,29 @@ class Forwarder:
             return last_answer
         if last_error is not None:
             raise last_error
-        raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {leg.model!r}")
+        raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {model!r}")
 
     async def _attempt(
-        self, state: NodeState, role: Role, leg: Leg, attempt: int
+        self, request: ProxyRequest, state: NodeState, role: Role, leg: Leg, attempt: int
     ) -> Upstream | ErrorAnswer | ProxyError:
         node = state.node
         timeout = leg.timeout if leg.deadline is None else min(leg.timeout, leg.deadline - time.monotonic())
         body = leg.body if leg.body_for is None else leg.body_for(state)
-        head, span = leg.head, None
-        if leg.trace is not None:
-            span = leg.trace.leg(role=role.value, node_id=node.node_id, url=node.url, model=leg.model, attempt=attempt)
-            head += span.headers
-        request = UpstreamRequest(
+        span = request.trace.leg(
+            role=role.value, node_id=node.node_id, url=node.url, model=request.model or "", attempt=attempt
+        )
+        upstream_request = UpstreamRequest(
             origin=Origin.of(node.url),
-            path=leg.path,
-            head=head,
+            path=request.target,
+            head=request.head + span.headers,
             body=body,
             timeout=timeout,
             idle_timeout=self._idle,
-            method=leg.method,
+            method=request.method,
         )
         self._pool.request_started(state)
         try:
-            response = await self._transport.send(request)
+            response = await self._transport.send(upstream_request)
         except UpstreamTimeout as exc:
             self._failed(state, role, "timeout", span)
             log.warning("upstream timeout node=%s role=%s error=%s", node.node_id, role.value, exc.message)
@@ -251,37 +244,43 @@ class Forwarder:
             raise
         status = response.status
         if status >= 500 or status == 429:
-            try:
-                body = await _read_bounded(response)
-            except (ProxyError, TimeoutError):
-                body = b""
-            finally:
-                response.close()
-            busy = status in _BUSY
-            if status == 503:
-                self._pool.hold_busy(state, BUSY_HOLD)
-            self._failed(state, role, f"http_{status}", span, failed=not busy, status=status)
-            log.warning("upstream error node=%s role=%s status=%d", node.node_id, role.value, status)
-            headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
-            return ErrorAnswer(status=status, headers=headers, body=body, node_id=node.node_id)
+            return await self._error_answer(state, role, response, span)
         # Headers are no success yet: a wedged engine sends them, then nothing (or breaks the stream). Counting
         # them would reset the node's failures with every new request, so it would never be ejected again and
         # probation would end before the node proved anything; the exchange counts when it ends (release).
         return Upstream(self, state, role, response, span)
+
+    async def _error_answer(
+        self, state: NodeState, role: Role, response: UpstreamResponse, span: LegSpan
+    ) -> ErrorAnswer:
+        """A node's 5xx or 429, read whole (bounded) so the client can get it when no other node answers."""
+        status = response.status
+        try:
+            body = await _read_bounded(response)
+        except (ProxyError, TimeoutError):
+            body = b""
+        finally:
+            response.close()
+        busy = status in _BUSY
+        if status == 503:
+            self._pool.hold_busy(state, BUSY_HOLD)
+        self._failed(state, role, f"http_{status}", span, failed=not busy, status=status)
+        log.warning("upstream error node=%s role=%s status=%d", state.node.node_id, role.value, status)
+        headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
+        return ErrorAnswer(status=status, headers=headers, body=body, node_id=state.node.node_id)
 
     def _failed(
         self,
         state: NodeState,
         role: Role,
         outcome: str,
-        span: LegSpan | None,
+        span: LegSpan,
         *,
         failed: bool = True,
         status: int | None = None,
     ) -> None:
         self.release(state, role, outcome, failed=failed)
-        if span is not None:
-            span.end(outcome, status)
+        span.end(outcome, status)
 
     def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
         self._pool.request_ended(state)

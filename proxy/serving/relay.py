@@ -1,23 +1,25 @@
-"""Runs an exchange with the nodes and relays the answer to the client over raw ASGI.
+"""Runs a request's flow and relays the node's answer to the client over raw ASGI.
 
 Everything after the request body was read happens here, under a watch for the client going away: a
 disconnect cancels whatever is in progress (waiting for a node, the prefill leg, relaying a stream), and
-closing the upstream response drops the connection to the node, which makes vLLM abort the request.
+closing the upstream response drops the connection to the node, which makes vLLM abort the request. The relay
+keeps its state on the request (``ProxyRequest``): the status, the tally of what it sent, the disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
-from starlette.types import Message, Receive, Send
+import orjson
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, UpstreamFailed, render, sse_error_event
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
+from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, UpstreamFailed, sse_error_event
+from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream, client_headers
+from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.serving.resume import (
     DONE,
     NodeErrorEvent,
@@ -27,68 +29,9 @@ from vllm_etcd_proxy.proxy.serving.resume import (
     error_event_at,
     progress,
 )
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
-
-Exchange = Callable[[], Awaitable[Upstream | ErrorAnswer]]
-Reopen = Callable[[dict[str, Any], tuple[NodeState, ...]], Awaitable[Upstream | ErrorAnswer]]
-"""Sends a continuation body through the normal routing, avoiding the given nodes where it can."""
-
-
-class ResumePlan(NamedTuple):
-    """How a resumable stream goes on elsewhere when its node fails (resume.py)."""
-
-    path: str
-    body: Mapping[str, Any]
-    reopen: Reopen
-    max_resumes: int
-
-
-class Tally:
-    """What the relay saw of one answer, for the per-model metrics and the trace: written a few times per
-    request (first byte, end), never per chunk."""
-
-    __slots__ = ("first_at", "chunks", "tail", "streamed")
-
-    def __init__(self) -> None:
-        self.first_at: float | None = None
-        """``time.monotonic()`` when the first body byte went to the client."""
-        self.chunks = 0
-        """Body writes to the client."""
-        self.tail = b""
-        """The answer's last bytes, where vLLM puts ``usage``."""
-        self.streamed = False
-
-
-class _DisconnectWatch:
-    """Cancels the current task when the client disconnects (after the request body was fully read)."""
-
-    __slots__ = ("_task", "finished", "gone", "_waiter")
-
-    def __init__(self, receive: Receive) -> None:
-        self._task = asyncio.current_task()
-        self.finished = False
-        self.gone = False
-        self._waiter: asyncio.Future[Message] = asyncio.ensure_future(receive())
-        self._waiter.add_done_callback(self._fire)
-
-    def _fire(self, fut: asyncio.Future[Message]) -> None:
-        if fut.cancelled() or fut.exception() is not None or self.finished:
-            return
-        if fut.result().get("type") == "http.disconnect" and self._task is not None:
-            self.gone = True
-            self._task.cancel()
-
-    def stop(self) -> None:
-        self.finished = True
-        self._waiter.remove_done_callback(self._fire)
-        self._waiter.cancel()
-
-
-async def send_error(send: Send, exc: ProxyError, request_id: str | None, *, route: str = "") -> None:
-    status, headers, body = render(exc, request_id, anthropic=route == ANTHROPIC_ROUTE)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -96,233 +39,197 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 class Relay:
-    """Runs ``exchange`` (which returns an open upstream response) and streams it to the client."""
+    """Opens the request's flow (``request.flow``) and streams the answer to the client."""
 
-    def __init__(self, metrics: ProxyMetrics) -> None:
+    def __init__(self, metrics: ProxyMetrics, flows: Flows, max_resumes: int) -> None:
         self._metrics = metrics
+        self._flows = flows
+        self._max_resumes = max_resumes
 
-    async def __call__(
-        self,
-        exchange: Exchange,
-        receive: Receive,
-        send: Send,
-        *,
-        route: str,
-        mode: str,
-        request_id: str,
-        started: float,
-        plan: ResumePlan | None = None,
-        tally: Tally | None = None,
-    ) -> int:
-        """Returns the HTTP status the client got (499 when it left first)."""
-        status = 499
-        watch = _DisconnectWatch(receive)
+    async def __call__(self, request: ProxyRequest) -> None:
+        """Sets ``request.status`` to what the client got (499 when it left first)."""
+        request.watch_disconnect()
         try:
-            status = await self._run(exchange, send, watch, route, mode, request_id, started, plan, tally)
+            await self._run(request)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not watch.gone or task is None:
+            if not request.gone or task is None:
                 raise
             task.uncancel()
+            request.status = 499
             self._metrics.client_disconnects.inc()
-            log.info("client disconnected request_id=%s route=%s", request_id, route)
+            log.info("client disconnected request_id=%s route=%s", request.request_id, request.route)
         finally:
-            watch.stop()
-        return status
+            request.stop_watching()
 
-    async def _run(
-        self,
-        exchange: Exchange,
-        send: Send,
-        watch: _DisconnectWatch,
-        route: str,
-        mode: str,
-        request_id: str,
-        started: float,
-        plan: ResumePlan | None,
-        tally: Tally | None,
-    ) -> int:
-        # Before the last body message goes out, the watch is told: once it is sent, uvicorn reports
-        # "disconnect" to receive(), which is not a client leaving.
+    async def _run(self, request: ProxyRequest) -> None:
+        assert request.flow is not None
         try:
-            answer = await exchange()
+            answer = await request.flow.open(request)
         except ProxyError as exc:
-            watch.finished = True
-            await send_error(send, exc, request_id, route=route)
-            return exc.status
+            await request.refuse(exc)
+            return
         if isinstance(answer, ErrorAnswer):
+            request.status = answer.status
             headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
-            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-            watch.finished = True
-            await send({"type": "http.response.body", "body": answer.body})
-            return answer.status
-        if plan is not None and answer.status == 200 and _is_event_stream(answer.headers):
-            await self._relay_resumable(answer, send, watch, route, mode, request_id, started, plan, tally)
+            await request.send({"type": "http.response.start", "status": answer.status, "headers": headers})
+            await request.send_last(answer.body)
+            return
+        request.status = answer.status
+        if request.resumable and answer.status == 200 and _is_event_stream(answer.headers):
+            await self._relay_resumable(request, answer)
         else:
-            await self._relay(answer, send, watch, route, mode, request_id, started, tally)
-        return answer.status
+            await self._relay(request, answer)
 
     @staticmethod
-    async def _start(upstream: Upstream, send: Send, request_id: str) -> None:
+    async def _start(request: ProxyRequest, upstream: Upstream) -> None:
         headers = client_headers(upstream.headers)
         if not any(k.lower() == b"x-request-id" for k, _ in headers):
-            headers.append((b"x-request-id", request_id.encode("latin-1", "replace")))
-        await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            headers.append((b"x-request-id", request.request_id.encode("latin-1", "replace")))
+        await request.send({"type": "http.response.start", "status": upstream.status, "headers": headers})
 
-    async def _relay(
-        self,
-        upstream: Upstream,
-        send: Send,
-        watch: _DisconnectWatch,
-        route: str,
-        mode: str,
-        request_id: str,
-        started: float,
-        tally: Tally | None,
-    ) -> None:
+    async def _relay(self, request: ProxyRequest, upstream: Upstream) -> None:
         outcome = "cancelled"
         response = upstream.response
         try:
-            await self._start(upstream, send, request_id)
-            read = response.read
+            await self._start(request, upstream)
+            read, send_body = response.read, request.send_body
             chunks = 0
             before = last = b""
             try:
                 chunk = await read()
                 if chunk:
-                    self._first_byte(upstream, route, mode, started, tally)
+                    self._first_byte(request, upstream)
                 while chunk:
                     chunks += 1
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send_body(chunk)
                     before, last = last, chunk
                     chunk = await read()
             except ProxyError as exc:
-                # Bytes already reached the client: no retry; tell a stream reader why it ends.
                 outcome = "broken"
-                log.warning("stream broken request_id=%s error=%s", request_id, exc.message)
-                if _is_event_stream(response.headers):
-                    watch.finished = True
-                    event = sse_error_event(exc, anthropic=route == ANTHROPIC_ROUTE)
-                    await send({"type": "http.response.body", "body": event, "more_body": False})
-                # Otherwise leave the response unfinished: the server then drops the connection, so the client
-                # sees a truncated answer as an error instead of a complete-looking, cut-off JSON body.
+                await self._broken(request, exc, _is_event_stream(response.headers))
                 return
             self._metrics.stream_chunks.inc(chunks)
-            if tally is not None:
-                tally.chunks, tally.tail = chunks, before + last
-                tally.streamed = _is_event_stream(response.headers)
-            watch.finished = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if request.tally is not None:
+                tally = request.tally
+                tally.chunks, tally.tail, tally.streamed = chunks, before + last, _is_event_stream(response.headers)
+            await request.send_last()
             outcome = "ok"
         finally:
             upstream.close(outcome)
 
-    def _first_byte(self, upstream: Upstream, route: str, mode: str, started: float, tally: Tally | None) -> None:
-        now = self._metrics.first_byte(route, mode, started)
-        if tally is not None:
-            tally.first_at = now
-        if upstream.span is not None:
-            upstream.span.first_byte()
+    @staticmethod
+    async def _broken(request: ProxyRequest, exc: ProxyError, event_stream: bool) -> None:
+        """Bytes already reached the client: no retry; tell a stream reader why it ends."""
+        log.warning("stream broken request_id=%s error=%s", request.request_id, exc.message)
+        if event_stream:
+            await request.send_last(sse_error_event(exc, anthropic=request.route == ANTHROPIC_ROUTE))
+        # Otherwise leave the response unfinished: the server then drops the connection, so the client sees a
+        # truncated answer as an error instead of a complete-looking, cut-off JSON body.
 
-    async def _relay_resumable(
-        self,
-        upstream: Upstream,
-        send: Send,
-        watch: _DisconnectWatch,
-        route: str,
-        mode: str,
-        request_id: str,
-        started: float,
-        plan: ResumePlan,
-        tally: Tally | None,
-    ) -> None:
-        """Relay an SSE answer event by event; when its node fails, go on from another node (resume.py)."""
+    def _first_byte(self, request: ProxyRequest, upstream: Upstream) -> None:
+        now = self._metrics.first_byte(request.route, request.mode, request.started)
+        if request.tally is not None:
+            request.tally.first_at = now
+        upstream.span.first_byte()
+
+    # -- streams that go on from another node (resume.py) --------------------------------------------------------
+
+    async def _relay_resumable(self, request: ProxyRequest, upstream: Upstream) -> None:
+        """Relay an SSE answer event by event; when its node fails, go on from another node."""
+        assert request.body is not None
+        original: Mapping[str, Any] = request.body
         sent = StreamLog()
         splice: Splice | None = None
-        current = upstream
-        resumes = 0
-        await self._start(upstream, send, request_id)
-        while True:
-            outcome = "cancelled"
-            failure: ProxyError | None = None
-            try:
-                await self._pump(current, send, sent, splice, route, mode, started, tally)
-                outcome = "ok"
-            except ProxyError as exc:
-                outcome, failure = "broken", exc
-            finally:
-                current.close(outcome)
-            if failure is None or sent.done:
-                break
+        current, resumes = upstream, 0
+        await self._start(request, upstream)
+        while (failure := await self._pump_until_failure(request, current, sent, splice)) is not None and not sent.done:
             sent.drop_partial()
-            failed_node = current.state.node.node_id
-            if resumes >= plan.max_resumes:
+            if resumes >= self._max_resumes:
                 self._metrics.resume("exhausted")
-                log_stream_broken(request_id, failure, f"after {resumes} resumes")
-                watch.finished = True
-                await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": False})
+                await self._give_up(request, failure, f"after {resumes} resumes")
                 return
-            done = progress(plan.path, sent)
-            body = continuation_body(plan.path, plan.body, done)
-            if body is None:  # the answer was complete but for its end
-                self._metrics.resume("completed")
-                log.warning(
-                    "stream's node failed after its last token request_id=%s node=%s error=%s; ended by "
-                    "the proxy (without the node's usage chunk)",
-                    request_id,
-                    failed_node,
-                    failure.message,
-                )
-                await send({"type": "http.response.body", "body": DONE, "more_body": True})
+            done = progress(request.path, sent)
+            body = continuation_body(request.path, original, done)
+            if body is None:
+                self._ended_by_us(request, current.state, failure)
+                await request.send_body(DONE)
                 break
             resumes += 1
-            try:
-                answer = await plan.reopen(body, (current.state,))
-            except ProxyError as exc:
-                answer, failure = None, exc
-            if not isinstance(answer, Upstream) or answer.status != 200:
-                if isinstance(answer, Upstream):
-                    answer.close("refused")  # an answer, not a failure of the node, and not a success either
-                    failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
-                elif isinstance(answer, ErrorAnswer):
-                    failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
-                self._metrics.resume("failed")
-                log_stream_broken(request_id, failure, "and could not be resumed")
-                watch.finished = True
-                await send({"type": "http.response.body", "body": sse_error_event(failure), "more_body": False})
+            answer = await self._resume(request, body, current.state, failure)
+            if answer is None:
                 return
-            self._metrics.resume("resumed")
             log.warning(
                 "stream resumed request_id=%s from=%s to=%s tokens_sent=%d resume=%d reason=%s",
-                request_id,
-                failed_node,
+                request.request_id,
+                current.state.node.node_id,
                 answer.state.node.node_id,
                 done.tokens,
                 resumes,
                 failure.message,
             )
-            splice = Splice(plan.path, done)
-            current = answer
+            current, splice = answer, Splice(request.path, done)
         self._metrics.stream_chunks.inc(sent.writes)
-        if tally is not None:
-            tally.chunks, tally.tail, tally.streamed = sent.writes, sent.tail(), True
-        watch.finished = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if request.tally is not None:
+            request.tally.chunks, request.tally.tail, request.tally.streamed = sent.writes, sent.tail(), True
+        await request.send_last()
 
-    async def _pump(
-        self,
-        upstream: Upstream,
-        send: Send,
-        sent: StreamLog,
-        splice: Splice | None,
-        route: str,
-        mode: str,
-        started: float,
-        tally: Tally | None,
-    ) -> None:
+    async def _pump_until_failure(
+        self, request: ProxyRequest, upstream: Upstream, sent: StreamLog, splice: Splice | None
+    ) -> ProxyError | None:
+        """Relay ``upstream`` to its end; the failure that cut it short, if any."""
+        outcome, failure = "cancelled", None
+        try:
+            await self._pump(request, upstream, sent, splice)
+            outcome = "ok"
+        except ProxyError as exc:
+            outcome, failure = "broken", exc
+        finally:
+            upstream.close(outcome)
+        return failure
+
+    def _ended_by_us(self, request: ProxyRequest, failed: NodeState, failure: ProxyError) -> None:
+        """The node failed after the answer's last token: the proxy ends the stream itself."""
+        self._metrics.resume("completed")
+        log.warning(
+            "stream's node failed after its last token request_id=%s node=%s error=%s; ended by the proxy "
+            "(without the node's usage chunk)",
+            request.request_id,
+            failed.node.node_id,
+            failure.message,
+        )
+
+    async def _resume(
+        self, request: ProxyRequest, body: dict[str, Any], failed: NodeState, failure: ProxyError
+    ) -> Upstream | None:
+        """The continuation ``body`` opened through the normal routing, avoiding the node that ``failed``; None
+        when it could not go on (the client was told why)."""
+        request.trace.resumed()
+        request.raw, request.body = orjson.dumps(body), body
+        try:
+            answer: Upstream | ErrorAnswer | None = await self._flows.pick(request).open(request, (failed,))
+        except ProxyError as exc:
+            answer, failure = None, exc
+        if isinstance(answer, Upstream) and answer.status == 200:
+            self._metrics.resume("resumed")
+            return answer
+        if isinstance(answer, Upstream):
+            answer.close("refused")  # an answer, not a failure of the node, and not a success either
+        if answer is not None:
+            failure = UpstreamFailed(f"the continuation was refused with status {answer.status}")
+        self._metrics.resume("failed")
+        await self._give_up(request, failure, "and could not be resumed")
+        return None
+
+    @staticmethod
+    async def _give_up(request: ProxyRequest, failure: ProxyError, how: str) -> None:
+        log.warning("stream broken request_id=%s error=%s %s", request.request_id, failure.message, how)
+        await request.send_last(sse_error_event(failure))
+
+    async def _pump(self, request: ProxyRequest, upstream: Upstream, sent: StreamLog, splice: Splice | None) -> None:
         """Relay whole events until ``[DONE]`` and the end of the body; raise ``ProxyError`` when the node fails."""
         read, cut, add = upstream.response.read, sent.cut, sent.add
-        first = started > 0 and splice is None
+        first = splice is None
         while True:
             chunk = await read()
             if not chunk:
@@ -343,12 +250,8 @@ class Relay:
             if events:
                 if first:
                     first = False
-                    self._first_byte(upstream, route, mode, started, tally)
+                    self._first_byte(request, upstream)
                 add(events)
-                await send({"type": "http.response.body", "body": events, "more_body": True})
+                await request.send_body(events)
             if failed is not None:
                 raise failed
-
-
-def log_stream_broken(request_id: str, error: ProxyError, how: str) -> None:
-    log.warning("stream broken request_id=%s error=%s %s", request_id, error.message, how)

@@ -10,6 +10,7 @@ sends anything; the second node's own ``session.created`` is dropped. Closes tra
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Mapping
 from typing import NamedTuple
 from urllib.parse import parse_qs
@@ -20,14 +21,15 @@ from websockets.exceptions import InvalidStatus
 from websockets.typing import Subprotocol
 
 from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.fleet.tls import TLS_HINT, ssl_reason
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError, UpstreamFailed
-from vllm_etcd_proxy.proxy.operations.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
 from vllm_etcd_proxy.proxy.serving.guard import ClientKeys
 from vllm_etcd_proxy.proxy.serving.parsing import read_headers
 from vllm_etcd_proxy.proxy.serving.wsrelay import CLOSE_TIMEOUT, Denied, Link, Session, reason_text
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,11 @@ class WebSocketProxy:
         keys: ClientKeys,
         metrics: ProxyMetrics,
         settings: ProxySettings,
+        node_tls: ssl.SSLContext,
     ) -> None:
+        """``node_tls``: the client context for ``wss://`` to ``https://`` nodes (fleet/tls.py)."""
         self._pool, self._policies, self._keys, self._metrics = pool, policies, keys, metrics
+        self._node_tls = node_tls
         self._attempts = settings.max_attempts
         self._connect_timeout = settings.timeouts.connect
         self._max_size = settings.max_body_bytes
@@ -145,6 +150,7 @@ class WebSocketProxy:
                 break
             tried.append(state)
             url = "ws" + state.node.url.removeprefix("http") + hello.target  # http -> ws, https -> wss
+            secure = url.startswith("wss:")
             self._pool.request_started(state)  # least-load sees open sessions
             try:
                 ws = await connect(
@@ -153,6 +159,7 @@ class WebSocketProxy:
                     subprotocols=hello.subprotocols or None,
                     user_agent_header=None,
                     proxy=None,
+                    ssl=self._node_tls if secure else None,
                     compression=None,
                     max_size=self._max_size,
                     open_timeout=self._connect_timeout,
@@ -169,7 +176,8 @@ class WebSocketProxy:
                     raise last from None
             except (OSError, TimeoutError, ValueError) as exc:  # websockets' handshake errors are ValueErrors
                 self.release(state, role, "connect_error")
-                log.warning("websocket connect failed node=%s error=%s", state.node.node_id, type(exc).__name__)
+                hint = f" ({ssl_reason(exc)}; {TLS_HINT})" if isinstance(exc, ssl.SSLError) else ""
+                log.warning("websocket connect failed node=%s error=%s%s", state.node.node_id, type(exc).__name__, hint)
                 last = Denied.of(UpstreamFailed(f"node {state.node.node_id} could not be reached"), hello.request_id)
             except BaseException:
                 self.release(state, role, "cancelled")

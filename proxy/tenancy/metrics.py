@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from vllm_etcd_proxy.proxy.operations.metrics import LabelChildren
+from vllm_etcd_proxy.proxy.telemetry.metrics import LabelChildren
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 OPEN = "none"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +20,6 @@ from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue, QueueSettings
 from vllm_etcd_proxy.proxy.tenancy.replicas import FOLDER, ReplicaCount, ReplicaLease, replica_id
 from vllm_etcd_proxy.proxy.tenancy.sources import EtcdKeys, KeyFile
 
-log = logging.getLogger(__name__)
-
 KEYS_FOLDER = "keys"
 
 
@@ -35,7 +30,9 @@ class TenancyParts:
     sinks: dict[str, KeySink] = field(default_factory=dict)
     """For discovery: the ``keys/`` and ``replicas/`` folders."""
     tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
-    """Background work for the lifespan: the replica's lease, SIGHUP reloads."""
+    """Background work for the lifespan: the replica's lease."""
+    reload: Callable[[], None] | None = None
+    """What SIGHUP runs: re-read ``--api-key-file`` (None without one)."""
 
 
 def build_tenancy(
@@ -83,25 +80,10 @@ def build_tenancy(
         parts.sinks = {KEYS_FOLDER: EtcdKeys(keys, invalid), FOLDER: replicas}
         parts.tasks.append(ReplicaLease(etcd, layout, me).run)
     if key_file is not None:
-        parts.tasks.append(lambda: _reload_on_hangup(key_file, metrics))
-    return parts
 
-
-async def _reload_on_hangup(key_file: KeyFile, metrics: TenantMetrics) -> None:
-    """Reload the key file on each SIGHUP (the handler only sets an event; uvicorn keeps SIGTERM/SIGINT)."""
-    loop = asyncio.get_running_loop()
-    hangup = asyncio.Event()
-    try:
-        loop.add_signal_handler(signal.SIGHUP, hangup.set)
-    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (an app run inside tests)
-        log.info("SIGHUP cannot be handled here; --api-key-file is read at start only")
-        return
-    try:
-        while True:
-            await hangup.wait()
-            hangup.clear()
+        def reload_key_file() -> None:
             outcome = "ok" if key_file.reload() else "failed"
             metrics.child(metrics.reloads, outcome).inc()
-    finally:
-        loop.remove_signal_handler(signal.SIGHUP)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+        parts.reload = reload_key_file
+    return parts

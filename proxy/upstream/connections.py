@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from vllm_etcd_proxy.fleet.tls import TLS_HINT, ssl_reason
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
 from vllm_etcd_proxy.proxy.upstream.connection import Connection
 
@@ -80,6 +81,14 @@ class NodeConnections:
                 ) from None
         self._open += 1
         conn = Connection(self)
+        try:
+            await self._open_connection(conn)
+        except BaseException:
+            self._forget(conn)
+            raise
+        return conn
+
+    async def _open_connection(self, conn: Connection) -> None:
         origin = self.origin
         try:
             async with asyncio.timeout(self._connect_timeout):
@@ -90,15 +99,11 @@ class NodeConnections:
                 else:
                     await self.loop.create_connection(lambda: conn, origin.host, origin.port)
         except TimeoutError:
-            self._forget(conn)
             raise UpstreamTimeout(f"node {self.name}: no connection within {self._connect_timeout:g} s") from None
+        except ssl.SSLError as exc:  # before OSError, which it is: the message says what to check
+            raise UpstreamFailed(f"node {self.name}: TLS failed ({ssl_reason(exc)}); {TLS_HINT}") from None
         except OSError as exc:
-            self._forget(conn)
             raise UpstreamFailed(f"node {self.name}: cannot connect ({exc.strerror or type(exc).__name__})") from None
-        except BaseException:
-            self._forget(conn)
-            raise
-        return conn
 
     def _forget(self, conn: Connection) -> None:
         if not conn.closed:

@@ -91,11 +91,13 @@ class Transport(Protocol):
 class HttpTransport:
     """``Transport`` over keep-alive HTTP/1.1 connections, pooled per node."""
 
-    def __init__(self, *, connect_timeout: float, max_connections: int) -> None:
+    def __init__(self, *, connect_timeout: float, max_connections: int, tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: the client context for ``https://`` nodes (fleet/tls.py); None: the system's CAs, built on
+        first use."""
         self._connect_timeout = connect_timeout
         self._limit = max_connections
         self._pools: dict[Origin, NodeConnections] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = tls
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:

@@ -124,6 +124,61 @@ def test_adapters_and_block_sizes_have_keys_of_their_own() -> None:
     assert index.depths(prompt.keys(2), 1) == {}
 
 
+def stored_event(hashes: list[int], ids: list[int], lora: str | None, extra_keys: object) -> dict[str, object]:
+    """A BlockStored as vLLM 0.32 publishes it (to_event_extra_keys: one entry per block, untagged keys)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": None,
+        "token_ids": ids,
+        "block_size": BS,
+        "lora_id": None if lora is None else 1,
+        "medium": "GPU",
+        "lora_name": lora,
+        "extra_keys": extra_keys,
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def index_of(*events: dict[str, object]) -> KvIndex:
+    index = KvIndex()
+    index.apply("a", read_batch(0, msgspec.msgpack.encode([1.0, list(events), 0])).events)
+    return index
+
+
+def test_a_cache_salt_keys_the_chain_as_vllm_keys_its_hashes() -> None:
+    # vLLM mixes cache_salt into the request's first block only; chained, every later block differs too.
+    index = index_of(stored_event([1, 2, 3], IDS, None, [["tenant-a"], None, None]))
+    assert index.depths(KvPrompt([*IDS, 0], "m", salt="tenant-a").keys(BS), 1) == {0: 3}
+    assert index.depths(KvPrompt([*IDS, 0], "m", salt="tenant-b").keys(BS), 1) == {}
+    assert index.depths(KvPrompt([*IDS, 0], "m").keys(BS), 1) == {}
+    unsalted = index_of(stored_event([1, 2, 3], IDS, None, [None, None, None]))
+    assert unsalted.depths(KvPrompt([*IDS, 0], "m", salt="tenant-a").keys(BS), 1) == {}
+    assert unsalted.depths(KvPrompt([*IDS, 0], "m").keys(BS), 1) == {0: 3}
+
+
+def test_an_adapters_name_in_extra_keys_is_its_chain_and_its_salt_keys_it_further() -> None:
+    # An adapter's blocks carry its name first in every entry, the salt after it on the first block.
+    index = index_of(stored_event([1, 2, 3], IDS, "my-lora", [["my-lora", "s"], ["my-lora"], ["my-lora"]]))
+    assert index.depths(KvPrompt([*IDS, 0], "m", salt="s").keys(BS, "my-lora"), 1) == {0: 3}
+    assert index.depths(KvPrompt([*IDS, 0], "m").keys(BS, "my-lora"), 1) == {}
+    assert index.depths(KvPrompt([*IDS, 0], "m", salt="s").keys(BS), 1) == {}
+
+
+def test_blocks_keyed_by_media_are_matched_by_no_text_prompt_of_the_same_tokens() -> None:
+    # A block holding an image's placeholder tokens: vLLM keys it by the media's hash and offset, which a
+    # replica cannot compute, so no prompt of those tokens alone may look cached there (it gets affinity).
+    index = index_of(stored_event([1, 2, 3], IDS, None, [None, [["9f2c", 0]], None]))
+    assert index.depths(KvPrompt([*IDS, 0], "m").keys(BS), 1) == {0: 1}
+
+
+@pytest.mark.parametrize("extra_keys", [[None], "salt", [["a"], 5, None], [[{"x": 1}], None, None]])
+def test_extra_keys_that_are_not_one_entry_per_block_make_the_event_malformed(extra_keys: object) -> None:
+    batch = read_batch(0, msgspec.msgpack.encode([1.0, [stored_event([1, 2, 3], IDS, None, extra_keys)], 0]))
+    assert batch.events == [] and batch.bad_events == 1
+
+
 def test_token_id_prompts_are_read_and_text_is_left_to_a_tokenizer() -> None:
     assert token_id_prompt("m", {"prompt": [1, 2, 3]}, "completion") == [1, 2, 3]
     assert token_id_prompt("m", {"prompt": [[1, 2]]}, "completion") == [1, 2]

@@ -91,24 +91,24 @@ def prefix(seed: int, blocks: int = 3) -> list[int]:
     return [seed * 100 + i for i in range(blocks * BS)]  # within the simulated vocabulary
 
 
-def send(node: SimNode, ids: list[int]) -> None:
+def send(node: SimNode, ids: list[int], **fields: Any) -> None:
     """A completion sent to the node itself, not through a proxy: its cache stores the prompt's full blocks."""
-    body = {"model": "sim-model", "prompt": [*ids, 1], "max_tokens": 1}
+    body = {"model": "sim-model", "prompt": [*ids, 1], "max_tokens": 1, **fields}
     assert httpx.post(f"{node.url}/v1/completions", json=body, timeout=10).status_code == 200
 
 
-def announce(fleet: Fleet, name: str, ids: list[int], proxies: list[ProxyProc] | None = None) -> None:
+def announce(fleet: Fleet, name: str, ids: list[int], proxies: list[ProxyProc] | None = None, **fields: Any) -> None:
     """``send``, then wait until every replica took in the node's batch for it."""
     node, proxies = fleet.nodes[name], proxies or fleet.proxies
     before = [kv_state(p, node)["batches"] for p in proxies]
-    send(node, ids)
+    send(node, ids, **fields)
     for proxy, seen in zip(proxies, before, strict=True):
         wait_until(lambda p=proxy, n=seen: kv_state(p, node)["batches"] > n, 10, f"{name}'s events on {proxy}")
 
 
-def routed(proxy: ProxyProc, ids: list[int]) -> str:
+def routed(proxy: ProxyProc, ids: list[int], **fields: Any) -> str:
     """The node a token-id completion went to through ``proxy``."""
-    answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": ids, "max_tokens": 1})
+    answer = proxy.post("/v1/completions", json={"model": "sim-model", "prompt": ids, "max_tokens": 1, **fields})
     assert answer.status_code == 200, answer.text
     return answer.headers["x-sim-node"]
 
@@ -148,6 +148,21 @@ def test_a_prefix_a_node_announced_draws_its_requests_through_every_replica(flee
     assert state["malformed"] == state["gaps"] == state["restarts"] == 0
 
 
+def test_a_salted_prompt_is_cached_only_for_its_own_salt(fleet: Fleet) -> None:
+    # vLLM mixes cache_salt into the first block's hash: tenants that salt for isolation share no block, so a
+    # prompt cached under one salt must not draw another salt's (or an unsalted) request.
+    ids = prefix(61)
+    announce(fleet, "b", ids, cache_salt="tenant-a")
+    proxy = fleet.proxies[0]
+    before = decisions(proxy)
+    assert routed(proxy, [*ids, 5], cache_salt="tenant-a") == fleet.nodes["b"].host_port
+    middle = decisions(proxy)
+    assert middle["cached_prefix"] == before["cached_prefix"] + 1
+    routed(proxy, [*ids, 6], cache_salt="tenant-b")
+    routed(proxy, [*ids, 7])
+    assert decisions(proxy)["cached_prefix"] == middle["cached_prefix"]  # both placed as new, by load
+
+
 def test_after_a_clear_the_prefix_no_longer_draws_requests(fleet: Fleet) -> None:
     ids = prefix(11)
     announce(fleet, "b", ids)
@@ -164,34 +179,48 @@ def test_after_a_clear_the_prefix_no_longer_draws_requests(fleet: Fleet) -> None
     assert routed(second, [*ids, 98]) == placed
 
 
-def test_a_replica_started_after_the_events_catches_up_through_replay(fleet: Fleet) -> None:
-    ids = prefix(21)
+@pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
+def test_a_replica_started_after_the_events_routes_its_first_request_on_them(fleet: Fleet, frames: int) -> None:
+    node = fleet.nodes["c"]
+    node.configure(kv_replay_frames=frames)  # vLLM 0.32's replay answers, or older vLLM's
+    ids = prefix(20 + frames)
     announce(fleet, "c", ids)
-    late = fleet.proxy()
+    late = ProxyProc(fleet.root, "--etcd", fleet.etcd.endpoint, "--scrape-load", "0", name=f"late{frames}")
     try:
-        assert kv_state(late, fleet.nodes["c"])["replays"] >= 1
-        assert routed(late, [*ids, 7]) == fleet.nodes["c"].host_port
-        assert decisions(late)["cached_prefix"] == 1
+        # Ready (what an L4 balancer's health check asks) only once the nodes' replays are in: its very first
+        # request goes by what the nodes held before it started.
+        wait_until(lambda: late.get("/ready").status_code == 200, 20, "the late replica ready")
+        assert routed(late, [*ids, 7]) == node.host_port
+        assert decisions(late).get("cached_prefix") == 1
+        state = kv_state(late, node)
+        assert state["replays"] >= 1 and state["malformed"] == 0
     finally:
         late.stop()
+        node.configure(kv_replay_frames=4)
 
 
-def test_a_gap_is_filled_from_the_replay_socket_and_a_malformed_frame_changes_nothing_else(fleet: Fleet) -> None:
+@pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
+def test_a_gap_is_filled_from_the_replay_socket_and_a_malformed_frame_changes_nothing_else(
+    fleet: Fleet, frames: int
+) -> None:
     node = fleet.nodes["a"]
     proxy = fleet.proxies[0]
     before = kv_state(proxy, node)
     node.configure(kv_events_drop=1)
-    dropped = prefix(31)
+    node.configure(kv_replay_frames=frames)
+    seed = 100 + 10 * frames  # prompts of their own for each form
+    dropped = prefix(seed)
     send(node, dropped)
-    announce(fleet, "a", prefix(32), [proxy])  # the next batch shows the gap, the replay brings the dropped one
+    announce(fleet, "a", prefix(seed + 1), [proxy])  # the next batch shows the gap, the replay brings the dropped one
     assert routed(proxy, [*dropped, 5]) == node.host_port
     node.configure(kv_events_corrupt=1)
-    send(node, prefix(33))
-    announce(fleet, "a", prefix(34), [proxy])
+    send(node, prefix(seed + 2))
+    announce(fleet, "a", prefix(seed + 3), [proxy])
     after = kv_state(proxy, node)
     assert after["gaps"] == before["gaps"] + 1 and after["replays"] >= before["replays"] + 1
     assert after["malformed"] == before["malformed"] + 1 and after["restarts"] == before["restarts"]
-    assert routed(proxy, [*prefix(32), 5]) == node.host_port  # what it held before is still known
+    assert routed(proxy, [*prefix(seed + 1), 5]) == node.host_port  # what it held before is still known
+    node.configure(kv_replay_frames=4)
 
 
 def test_token_ids_of_the_generate_route_find_their_cached_prefix_too(fleet: Fleet) -> None:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_etcd_proxy.proxy.operations.metrics import _ITL_BUCKETS, _TTFT_BUCKETS, ProxyMetrics, _Batch
+from vllm_etcd_proxy.proxy.telemetry.metrics import _ITL_BUCKETS, _TTFT_BUCKETS, ProxyMetrics, _Batch
 
 
 def _samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -16,7 +16,7 @@ from tests.support.otlp_receiver import OtlpReceiver
 from tests.support.procs import DeadPort
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
-from vllm_etcd_proxy.proxy.tracing.spans import traces_endpoint
+from vllm_etcd_proxy.proxy.telemetry.spans import traces_endpoint
 
 MODEL = "sim-model"
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"

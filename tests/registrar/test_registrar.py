@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +24,7 @@ import pytest
 
 from tests.faults.fleet import holds
 from tests.support.etcd_server import EtcdServer
-from tests.support.procs import HOST, free_port, http_ok, python_module, wait_until
+from tests.support.procs import HOST, free_port, http_ok, port_is_free, process_gone, python_module, wait_until
 from tests.support.registrar_proc import (
     Entry,
     Registrar,
@@ -31,9 +35,43 @@ from tests.support.registrar_proc import (
     wait_for_no_key,
 )
 from tests.support.sim_node import SimNode
+from vllm_etcd_proxy.registrar.supervisor import command_line
 
 StartSim = Callable[..., SimNode]
 StartRegistrar = Callable[..., Registrar]
+
+STUBBORN_CHILD = (
+    sys.executable,
+    "-c",
+    textwrap.dedent(
+        """
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: print("ignoring", "SIGTERM", flush=True))
+        print("stubborn", "child", "up", flush=True)
+        while True:
+            signal.pause()
+        """
+    ),
+)
+"""A wrapped command that outlives SIGTERM (a wedged vLLM); it never answers HTTP, so it is never registered.
+Its lines are printed in pieces: the registrar logs the command, and a test waiting for a line must not find it
+there."""
+
+ENGINE = textwrap.dedent(
+    """
+    import os, signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("engine", f"pid={os.getpid()}", flush=True)
+    signal.pause()
+    """
+)
+COMMAND_WITH_AN_ENGINE = (
+    sys.executable,
+    "-c",
+    f"import signal, subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {ENGINE!r}])\nsignal.pause()\n",
+)
+"""A wrapped command that dies of SIGTERM at once, with a process of its own in its group (vLLM's engine core)
+that outlives SIGTERM."""
 
 BAD_FLAGS = {
     "unknown role": ["--role", "gpu", "--url", "http://127.0.0.1:8100"],
@@ -354,6 +392,87 @@ def test_child_exiting_on_its_own_is_deregistered_at_once_and_its_code_passed_on
     os.kill(registrar.child_pid(), signal.SIGKILL)
     assert registrar.wait(10) == 128 + signal.SIGKILL
     assert read_key(etcd, key) is None  # revoked, long before the 30 s TTL
+
+
+def test_a_killed_registrars_child_exits_and_the_same_start_command_works_again(
+    etcd: EtcdServer, registrars: StartRegistrar
+) -> None:
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    start_command = tuple(python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port)))
+    first = registrars(url, ttl=3, command=start_command)
+    key = decode_key(f"{HOST}:{port}")
+    before = wait_for_key(etcd, key, timeout=20)
+
+    first.kill()  # SIGKILL: the OOM killer, a crashed supervisor
+    wait_until(lambda: port_is_free(port), 15, "the child to exit and free its port")
+    assert not http_ok(f"{url}/health")
+    assert f"registrar pid={first.pid} is gone" in first.log()
+
+    again = registrars(url, ttl=3, command=start_command)
+    wait_until(lambda: (read_key(etcd, key) or before).lease != before.lease, 20, "the node registered again")
+    assert again.alive() and http_ok(f"{url}/health")
+
+
+def test_a_child_ignoring_sigterm_is_killed_after_the_drain_timeout_once_its_registrar_is_killed(
+    registrars: StartRegistrar,
+) -> None:
+    registrar = registrars(f"http://{HOST}:{free_port()}", "--drain-timeout", "1", command=STUBBORN_CHILD)
+    registrar.wait_for_log("stubborn child up", timeout=15)
+    child = registrar.child_pid()
+
+    registrar.kill()
+    registrar.wait_for_log("ignoring SIGTERM")  # it was asked first
+    wait_until(lambda: process_gone(child), 15, "the child to be SIGKILLed")
+    log = registrar.log()
+    assert "still running 1.0s after SIGTERM: SIGKILL" in log
+    assert log.count("ignoring SIGTERM") == 1  # asked once: the registrar's threads dying one by one are not asks
+
+
+def test_what_the_child_started_goes_too_once_the_child_is_gone(registrars: StartRegistrar) -> None:
+    registrar = registrars(f"http://{HOST}:{free_port()}", "--drain-timeout", "60", command=COMMAND_WITH_AN_ENGINE)
+    registrar.wait_for_log("engine pid=", timeout=15)
+    found = re.search(r"engine pid=(\d+)", registrar.log())
+    assert found is not None
+    engine = int(found[1])
+
+    registrar.kill()
+    # Well before the 60 s grace: the child died of the SIGTERM, so nothing is left to wait for.
+    wait_until(lambda: process_gone(engine), 20, "the child's engine process to be killed")
+
+
+def test_ctrl_c_reaches_the_registrar_alone_and_the_child_only_after_the_drain(
+    etcd: EtcdServer, registrars: StartRegistrar
+) -> None:
+    port = free_port()
+    child = python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port))
+    registrar = registrars(f"http://{HOST}:{port}", command=tuple(child))
+    wait_for_key(etcd, decode_key(f"{HOST}:{port}"), timeout=20)
+
+    os.killpg(registrar.pid, signal.SIGINT)  # what a terminal does: the foreground process group
+    assert registrar.wait(15) == 0  # the child's code: uvicorn exits 0 after a SIGINT
+    log = registrar.log()
+    assert log.index("draining on signal=SIGINT") < log.index("forwarding signal=SIGINT") < log.index("child exited")
+    assert not http_ok(f"http://{HOST}:{port}/health")
+
+
+def test_a_supervisor_whose_registrar_died_before_it_started_never_runs_the_command(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    done = subprocess.run(
+        command_line(command, parent=int(gone.stdout), grace=1.0), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 1
+    assert "died before the command started: not starting it" in done.stderr
+    assert not marker.exists()
+
+
+def test_a_command_that_cannot_be_run_exits_127_saying_so(etcd: EtcdServer, registrars: StartRegistrar) -> None:
+    registrar = registrars(f"http://{HOST}:{free_port()}", command=("no-such-vllm-xyz", "serve"))
+    assert registrar.wait(15) == 127
+    assert "vllm-registrar: error: cannot run 'no-such-vllm-xyz': No such file or directory" in registrar.log()
+    assert etcd.etcdctl("get", "--prefix", "/vllm", "--keys-only").strip() == ""
 
 
 def test_child_failing_before_it_is_ready_is_never_registered(etcd: EtcdServer, registrars: StartRegistrar) -> None:

@@ -46,8 +46,8 @@ def sub(node: tuple[SimNode, str, str]) -> Iterator[zmq.Socket[bytes]]:
     context.term()
 
 
-def complete(sim: SimNode, prompt: list[int]) -> None:
-    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+def complete(sim: SimNode, prompt: list[int], **fields: Any) -> None:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 1, **fields}
     assert httpx.post(f"{sim.url}/v1/completions", json=body, timeout=10).status_code == 200
 
 
@@ -81,6 +81,7 @@ def test_stores_evictions_and_clears_follow_the_cache(node: tuple[SimNode, str, 
     assert len(stored) == 1 and stored[0]["token_ids"] == PROMPT[:8] and stored[0]["block_size"] == BS
     assert stored[0]["parent_block_hash"] is None and len(stored[0]["block_hashes"]) == 2
     assert all(isinstance(h, int) and 0 <= h < 2**64 for h in stored[0]["block_hashes"])
+    assert stored[0]["extra_keys"] == [None, None] and stored[0]["lora_name"] is None
     # Six blocks of capacity: two more prompts of two blocks each evict the oldest free ones.
     complete(sim, list(range(200, 210)))
     complete(sim, list(range(300, 310)))
@@ -90,8 +91,27 @@ def test_stores_evictions_and_clears_follow_the_cache(node: tuple[SimNode, str, 
     assert [e["type"] for e in batch(sub.recv_multipart())[1]] == ["AllBlocksCleared"]
 
 
-def test_replay_answers_buffered_batches_then_minus_one(node: tuple[SimNode, str, str], sub: zmq.Socket[bytes]) -> None:
+def test_a_salted_request_stores_blocks_of_its_own_with_the_salt_in_its_first_blocks_extra_keys(
+    node: tuple[SimNode, str, str], sub: zmq.Socket[bytes]
+) -> None:
+    sim, _, _ = node
+    batch(subscribed(sim, sub))
+    complete(sim, PROMPT, cache_salt="tenant-a")
+    (plain,) = batch(sub.recv_multipart())[1]
+    complete(sim, PROMPT, cache_salt="tenant-b")  # the same tokens, another salt: new blocks, new hashes
+    (other,) = [e for e in batch(sub.recv_multipart())[1] if e["type"] == "BlockStored"]
+    # vLLM 0.32's to_event_extra_keys: one entry per block, the salt (untagged) on the request's first only.
+    assert plain["extra_keys"] == [["tenant-a"], None] and other["extra_keys"] == [["tenant-b"], None]
+    assert plain["token_ids"] == other["token_ids"] == PROMPT[:8]
+    assert set(plain["block_hashes"]).isdisjoint(other["block_hashes"])
+
+
+@pytest.mark.parametrize("frames", [4, 3], ids=["vllm-0.32", "older-vllm"])
+def test_replay_answers_buffered_batches_then_minus_one(
+    node: tuple[SimNode, str, str], sub: zmq.Socket[bytes], frames: int
+) -> None:
     sim, _, replay = node
+    sim.configure(kv_replay_frames=frames)
     first, _ = batch(subscribed(sim, sub))
     sim.configure(kv_events_drop=1)
     complete(sim, PROMPT)  # numbered and kept, not sent
@@ -103,10 +123,14 @@ def test_replay_answers_buffered_batches_then_minus_one(node: tuple[SimNode, str
     dealer.send_multipart([b"", (first + 1).to_bytes(8, "big")])
     answers = []
     while True:
-        empty, seq, payload = dealer.recv_multipart()
-        assert empty == b""
+        answer = dealer.recv_multipart()
+        assert len(answer) == frames and answer[0] == b""
+        # vLLM 0.32: [b"", topic, seq, payload], the end [b"", b"", -1, b""]; older: [b"", seq, payload]
+        topic, seq, payload = answer[1:] if frames == 4 else (None, *answer[1:])
         if int.from_bytes(seq, "big", signed=True) == -1:
+            assert payload == b"" and topic in (None, b"")
             break
+        assert topic in (None, b"kv")
         answers.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)[1]))
     dealer.close(0)
     assert [s for s, _ in answers] == [first + 1, first + 2]

@@ -6,6 +6,7 @@ import errno
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -84,9 +85,29 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, interval: f
         time.sleep(interval)
 
 
-def http_ok(url: str) -> bool:
+def port_is_free(port: int) -> bool:
+    """True when a server could listen on 127.0.0.1:``port`` now (bound as uvicorn binds: SO_REUSEADDR)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie nobody reaped yet counts as gone)."""
     try:
-        return httpx.get(url, timeout=1.0).status_code == 200
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def http_ok(url: str, verify: ssl.SSLContext | bool = True) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0, verify=verify).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,8 @@ from tests.support.procs import HOST, Proc, free_port, http_ok, python_module, w
 
 
 class ProxyProc:
-    """``python -m proxy`` with the given flags; ``.url`` is its base URL. ``admin_key`` sets ADMIN_API_KEY."""
+    """``python -m proxy`` with the given flags; ``.url`` is its base URL. ``admin_key`` sets ADMIN_API_KEY.
+    ``tls``: the replica serves HTTPS (its ``--ssl-*`` flags are in ``args``), reached with this client context."""
 
     def __init__(
         self,
@@ -20,7 +22,10 @@ class ProxyProc:
         name: str = "proxy",
         admin_key: str | None = None,
         env: dict[str, str] | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
+        self.tls = tls
+        self.verify: ssl.SSLContext | bool = tls or True
         self.port = free_port()
         full_env = dict(env or {})
         if admin_key:
@@ -28,20 +33,20 @@ class ProxyProc:
         argv = python_module("vllm_etcd_proxy.proxy", "--host", HOST, "--port", str(self.port), *args)
         self.proc = Proc(name, argv, log_dir, env=full_env)
         try:
-            wait_until(lambda: http_ok(f"{self.url}/health"), 20, f"{name} /health")
+            wait_until(lambda: http_ok(f"{self.url}/health", self.verify), 20, f"{name} /health")
         except BaseException:
             self.proc.stop()
             raise
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.port}"
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=10, **kwargs)
+        return httpx.get(self.url + path, timeout=10, verify=self.verify, **kwargs)
 
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=30, **kwargs)
+        return httpx.post(self.url + path, timeout=30, verify=self.verify, **kwargs)
 
     def status(self) -> dict[str, Any]:
         body: dict[str, Any] = self.get("/status").json()

@@ -95,11 +95,19 @@ class Registrar(Proc):
     def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
         wait_until(lambda: text in self.log(), timeout, f"{self.name} to log {text!r}")
 
+    def supervisor_pid(self) -> int:
+        """The pid of the wrapped command's supervisor (the registrar's only child process)."""
+        return _only_child(self.pid)
+
     def child_pid(self) -> int:
-        """The pid of the wrapped command (the registrar's only child process)."""
-        children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-        assert len(children) == 1, children
-        return int(children[0])
+        """The pid of the wrapped command (the supervisor's only child, see registrar/supervisor.py)."""
+        return _only_child(self.supervisor_pid())
+
+
+def _only_child(pid: int) -> int:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
 
 
 def run_registrar(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:

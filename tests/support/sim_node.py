@@ -16,6 +16,7 @@ LoRA routes, as ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` does in vLLM).
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,12 @@ class SimNode:
         *,
         port: int | None = None,
         env: dict[str, str] | None = None,
+        tls: ssl.SSLContext | None = None,
         **knobs: Any,
     ):
+        self.tls = tls
+        """The node serves HTTPS (its ``ssl_certfile``... knobs given), reached with this client context."""
+        self.verify: ssl.SSLContext | bool = tls or True
         self.log_dir = log_dir
         self.env = env
         self.port = port or free_port()
@@ -51,7 +56,7 @@ class SimNode:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host_port}"
 
     def argv(self) -> list[str]:
         args = ["--host", HOST, "--port", str(self.port)]
@@ -74,7 +79,7 @@ class SimNode:
         path = "/health" if wait_healthy else "/sim/config"
 
         def up_or_dead() -> bool:
-            return not proc.alive() or http_ok(f"{self.url}{path}")
+            return not proc.alive() or http_ok(f"{self.url}{path}", self.verify)
 
         try:
             wait_until(up_or_dead, timeout, f"{self.name} on {self.url}{path}")
@@ -117,7 +122,7 @@ class SimNode:
     # ---- the /sim/* control endpoints ----
 
     def _get(self, path: str) -> Any:
-        response = httpx.get(f"{self.url}{path}", timeout=5.0)
+        response = httpx.get(f"{self.url}{path}", timeout=5.0, verify=self.verify)
         response.raise_for_status()
         return response.json()
 
@@ -134,7 +139,7 @@ class SimNode:
     def configure(self, **changes: Any) -> dict[str, Any]:
         """POST /sim/config: ttft, itl, prefill_per_token, output_len, max_num_seqs, fail_rate, fail_status,
         fail_after_tokens, hang, hang_after_tokens, set_cookie, scaling."""
-        response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0)
+        response = httpx.post(f"{self.url}/sim/config", json=changes, timeout=5.0, verify=self.verify)
         response.raise_for_status()
         result: dict[str, Any] = response.json()
         return result
@@ -155,7 +160,7 @@ class SimNode:
         return list(self.snapshot()["requests"])
 
     def clear_requests(self) -> None:
-        httpx.delete(f"{self.url}/sim/requests", timeout=5.0).raise_for_status()
+        httpx.delete(f"{self.url}/sim/requests", timeout=5.0, verify=self.verify).raise_for_status()
 
     def wait_for_request(self, timeout: float = 5.0, **match: Any) -> dict[str, Any]:
         """Poll until a recorded request has all the given field values (e.g. ``request_id="r1",
@@ -172,22 +177,22 @@ class SimNode:
     @property
     def ws_url(self) -> str:
         """``ws://127.0.0.1:PORT``, for /v1/realtime."""
-        return f"ws://{self.host_port}"
+        return f"{'wss' if self.tls else 'ws'}://{self.host_port}"
 
     def sleep(self, level: int = 1) -> None:
         """POST /sleep: generation holds until wake_up(); /is_sleeping says so."""
-        httpx.post(f"{self.url}/sleep", params={"level": level}, timeout=5.0).raise_for_status()
+        httpx.post(f"{self.url}/sleep", params={"level": level}, timeout=5.0, verify=self.verify).raise_for_status()
 
     def wake_up(self) -> None:
-        httpx.post(f"{self.url}/wake_up", timeout=5.0).raise_for_status()
+        httpx.post(f"{self.url}/wake_up", timeout=5.0, verify=self.verify).raise_for_status()
 
     def close_websockets(self, code: int = 1000) -> list[str]:
         """Close every open /v1/realtime session from the node's side; returns their session ids."""
-        response = httpx.post(f"{self.url}/sim/realtime/close", json={"code": code}, timeout=5.0)
+        response = httpx.post(f"{self.url}/sim/realtime/close", json={"code": code}, timeout=5.0, verify=self.verify)
         response.raise_for_status()
         return list(response.json()["closed"])
 
     def metrics(self) -> str:
-        response = httpx.get(f"{self.url}/metrics", timeout=5.0)
+        response = httpx.get(f"{self.url}/metrics", timeout=5.0, verify=self.verify)
         response.raise_for_status()
         return response.text

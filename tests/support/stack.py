@@ -260,6 +260,9 @@ def _children(proc: Proc) -> list[int]:
 
 def _kill(pid: int) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        if os.getpgid(pid) == pid:  # a registrar's supervisor leads its node's group: the node goes too, at once
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
     except OSError:  # already gone: the usual case
         pass

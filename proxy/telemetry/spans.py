@@ -1,9 +1,9 @@
 """What the request path asks of tracing, and nothing more: a span per client request, a child per leg.
 
-With tracing off there is no tracer at all (``make_tracer`` returns None): the request path checks for it once
-per request and once per leg, never per chunk. The implementation (``otel.py``) is imported only when tracing
-is configured, so a replica without the ``otel`` extra runs exactly as before.
-"""
+With tracing off there is no tracer at all (``make_tracer`` returns None) and no tracing layer: a request's trace is
+``NO_TRACE``, whose legs' spans do nothing, so the request path never asks whether tracing is on. The implementation
+(``otel.py``) is imported only when tracing is configured, so a replica without the ``otel`` extra runs exactly as
+before."""
 
 from __future__ import annotations
 
@@ -67,6 +67,44 @@ class Tracer(Protocol):
         """Send what is buffered and stop (blocks; call off the event loop)."""
 
 
+class _NoLeg:
+    """The span of a leg when tracing is off: no headers, nothing recorded."""
+
+    __slots__ = ()
+    headers = b""
+
+    def first_byte(self) -> None:
+        pass
+
+    def usage(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        pass
+
+    def end(self, outcome: str, status: int | None = None) -> None:
+        pass
+
+
+class _NoTrace:
+    """A request's trace when tracing is off."""
+
+    __slots__ = ()
+
+    def leg(self, *, role: str, node_id: str, url: str, model: str, attempt: int) -> LegSpan:
+        return NO_LEG
+
+    def resumed(self) -> None:
+        pass
+
+    def usage(self, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        pass
+
+    def end(self, status: int, model: str | None = None) -> None:
+        pass
+
+
+NO_LEG: LegSpan = _NoLeg()
+NO_TRACE: RequestTrace = _NoTrace()
+
+
 def traces_endpoint(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
     """Where traces go: ``--otlp-traces-endpoint`` (as in vLLM), else ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``;
     None (tracing off) without either, or with ``OTEL_SDK_DISABLED=true``."""
@@ -88,7 +126,7 @@ def make_tracer(endpoint: str | None, service_name: str = "vllm-proxy") -> Trace
     if endpoint is None:
         return None
     try:
-        from vllm_etcd_proxy.proxy.tracing.otel import OtelTracer
+        from vllm_etcd_proxy.proxy.telemetry.otel import OtelTracer
     except ImportError as exc:
         raise TracingUnavailable(
             f"--otlp-traces-endpoint needs OpenTelemetry ({exc.name} is missing): pip install 'vllm-etcd-proxy[otel]'"

@@ -13,12 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from vllm_etcd_proxy.fleet.records import Role
-from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
-from vllm_etcd_proxy.proxy.discovery.pool import Pool
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # vLLM's own buckets for these (vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds), with finer
@@ -194,6 +192,12 @@ class ProxyMetrics:
         self.client_disconnects = Counter(
             "vllm_proxy_client_disconnects", "Requests whose client went away before the end.", registry=registry
         )
+        self.task_crashes = Counter(
+            "vllm_proxy_background_task_crashes",
+            "Background loops (probes, scrapes, discovery...) that failed and were restarted, by task.",
+            ["task"],
+            registry=registry,
+        )
         self.resumes = Counter(
             "vllm_proxy_resumes",
             "Streams whose node failed mid-way, by what followed: resumed (a continuation "
@@ -214,6 +218,12 @@ class ProxyMetrics:
         )
         self.admin_denied = Counter(
             "vllm_proxy_admin_denied", "Admin API calls refused (disabled or wrong key).", registry=registry
+        )
+        self.tls_reloads = Counter(
+            "vllm_proxy_tls_reloads",
+            "Reloads of the replica's TLS certificate on SIGHUP, by outcome: ok, failed (the old one kept).",
+            ["outcome"],
+            registry=registry,
         )
         self.loop_lag = Gauge(
             "vllm_proxy_event_loop_lag_seconds",
@@ -354,6 +364,9 @@ class ProxyMetrics:
     def retry(self, role: Role) -> None:
         self._child(self.retries, role.value).inc()
 
+    def tls_reloaded(self, ok: bool) -> None:
+        self._child(self.tls_reloads, "ok" if ok else "failed").inc()
+
     async def watch_loop_lag(self) -> None:
         """Sample how late the loop wakes a sleeper, and flush the per-model figures, forever."""
         loop = asyncio.get_running_loop()
@@ -364,43 +377,3 @@ class ProxyMetrics:
             self.loop_lag.set(lag)
             self.loop_lag_seconds.observe(lag)
             self.flush()
-
-
-class PoolCollector(Collector):
-    """Gauges read from the pool and discovery state at scrape time."""
-
-    def __init__(self, pool: Pool, discovery: DiscoveryState) -> None:
-        self._pool = pool
-        self._discovery = discovery
-
-    def collect(self) -> Iterator[Metric]:
-        nodes = GaugeMetricFamily("vllm_proxy_nodes", "Known nodes by role and status.", labels=["role", "status"])
-        in_flight = GaugeMetricFamily(
-            "vllm_proxy_node_in_flight", "Requests open on each node from this replica.", labels=["role", "node"]
-        )
-        ejected = GaugeMetricFamily("vllm_proxy_node_ejected", "1 while a node is ejected.", labels=["role", "node"])
-        for role in Role:
-            states = self._pool.by_role(role)
-            for status in ("serving", "draining"):
-                nodes.add_metric([role.value, status], sum(1 for s in states if s.node.status.value == status))
-            for state in states:
-                in_flight.add_metric([role.value, state.node.node_id], state.in_flight)
-                ejected.add_metric([role.value, state.node.node_id], 1.0 if state.ejected else 0.0)
-        yield nodes
-        yield in_flight
-        yield ejected
-        d = self._discovery
-        yield GaugeMetricFamily("vllm_proxy_etcd_enabled", "1 when pools come from etcd.", value=int(d.enabled))
-        yield GaugeMetricFamily("vllm_proxy_etcd_connected", "1 while the etcd watch is up.", value=int(d.connected))
-        yield GaugeMetricFamily("vllm_proxy_etcd_synced", "1 once the first list was applied.", value=int(d.synced))
-        yield GaugeMetricFamily("vllm_proxy_etcd_revision", "etcd revision last applied.", value=d.revision)
-        yield CounterMetricFamily("vllm_proxy_etcd_resyncs", "Re-lists after the first.", value=d.resyncs)
-        yield CounterMetricFamily("vllm_proxy_etcd_reconnects", "Watch streams re-established.", value=d.reconnects)
-        yield GaugeMetricFamily(
-            "vllm_proxy_etcd_ignored_keys",
-            "Keys ignored now because their key or value is invalid.",
-            value=len(d.invalid_records),
-        )
-        yield CounterMetricFamily(
-            "vllm_proxy_etcd_invalid_records", "Invalid keys or values seen since start.", value=d.invalid_total
-        )

@@ -1,0 +1,188 @@
+"""How a request reaches its node: the flows, and the choice between them (``Flows.pick``).
+
+Each flow is a class with one method, ``open(request, avoid)``, that sends the request's leg(s) through the
+forwarder and returns the node's open response (or its error answer, read whole):
+
+- ``OneLeg``: to a node of the model, the body byte for byte (``mixed``; ``decode`` when so little of a
+  disaggregated model's prompt is new that a prefill leg would cost more than it saves);
+- ``DisaggregatedFlow`` (disagg.py): vLLM's prefill -> decode exchange;
+- ``WithAdapter``: a registered LoRA adapter loaded on a node first, then ``OneLeg`` (serving/adapters.py);
+- ``NewResponse``: ``POST /v1/responses``, to where its ``previous_response_id`` is kept, else by model; the
+  new response's id names its node;
+- ``ByResponseId``: ``/v1/responses/{id}...``, to the node holding that id.
+
+``pick`` looks only at the request and the pool; a resumed stream's continuation is picked for again (its prompt
+is longer, and the node it broke on is avoided).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from vllm_etcd_proxy.fleet.records import Role
+from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable
+from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
+from vllm_etcd_proxy.proxy.serving.disagg import DisaggregatedFlow
+from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
+from vllm_etcd_proxy.proxy.serving.responses import ResponseIds, previous_response_id
+from vllm_etcd_proxy.proxy.serving.routes import Kind, response_id_of
+
+MIXED_ROLES = (Role.MIXED, Role.DECODE)
+DECODE_FIRST = (Role.DECODE, Role.MIXED)
+
+
+class Flow(Protocol):
+    mode: str
+    """Its name in metrics."""
+
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        """Send the request to a node (not one of ``avoid`` while another is left) and return its answer."""
+        ...
+
+
+class OneLeg:
+    """The request to one node of ``roles`` (tried in order), its body byte for byte."""
+
+    __slots__ = ("mode", "_roles", "_forwarder", "_timeout")
+
+    def __init__(self, mode: str, roles: tuple[Role, ...], forwarder: Forwarder, timeout: float) -> None:
+        self.mode, self._roles, self._forwarder, self._timeout = mode, roles, forwarder, timeout
+
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        leg = Leg(roles=self._roles, body=request.raw, timeout=self._timeout, narrow=True)
+        return await self._forwarder.open(request, leg, avoid)
+
+
+class WithAdapter:
+    """A registered LoRA adapter's request: the adapter loaded on a node first when no node has it."""
+
+    mode = "mixed"
+    __slots__ = ("_loader", "_leg")
+
+    def __init__(self, loader: AdapterLoader, leg: OneLeg) -> None:
+        self._loader, self._leg = loader, leg
+
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        assert request.adapter is not None
+        return await with_adapter(self._loader, request.adapter, lambda: self._leg.open(request, avoid))
+
+
+class ByResponseId:
+    """To the node that holds the response the path names (``request.pinned``)."""
+
+    mode = "pinned"
+    __slots__ = ("_forwarder", "_timeout")
+
+    def __init__(self, forwarder: Forwarder, timeout: float) -> None:
+        self._forwarder, self._timeout = forwarder, timeout
+
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        assert request.pinned is not None
+        leg = Leg(roles=(request.pinned.node.role,), body=request.raw, timeout=self._timeout)
+        return await self._forwarder.open(request, leg, avoid)
+
+
+class NewResponse:
+    """A new response: to its previous response's node (``request.pinned``), else by model; its body gains a
+    ``request_id`` that names the node chosen."""
+
+    __slots__ = ("mode", "_forwarder", "_ids", "_timeout")
+
+    def __init__(self, mode: str, forwarder: Forwarder, ids: ResponseIds, timeout: float) -> None:
+        self.mode, self._forwarder, self._ids, self._timeout = mode, forwarder, ids, timeout
+
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        raw, body, ids = request.raw, request.body, self._ids
+        assert body is not None
+        leg = Leg(
+            roles=MIXED_ROLES,
+            body=raw,
+            timeout=self._timeout,
+            body_for=lambda state: ids.new_response_body(raw, body, state),
+        )
+        return await self._forwarder.open(request, leg, avoid)
+
+
+class Flows:
+    """The flows of one replica, and which one a request takes."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        forwarder: Forwarder,
+        adapters: AdapterLoader,
+        kv: KvRouting,
+        *,
+        first_byte_timeout: float,
+        prefill_timeout: float,
+        pd_min_prompt_tokens: int,
+    ) -> None:
+        self._pool, self._adapters, self._kv = pool, adapters, kv
+        self._ids = ResponseIds(pool)
+        self._pd_min = pd_min_prompt_tokens
+        self.mixed = OneLeg("mixed", MIXED_ROLES, forwarder, first_byte_timeout)
+        self.decode = OneLeg("decode", DECODE_FIRST, forwarder, first_byte_timeout)
+        self.disaggregated = DisaggregatedFlow(forwarder, first_byte_timeout, prefill_timeout)
+        self.adapter = WithAdapter(adapters, self.mixed)
+        self.by_response_id = ByResponseId(forwarder, first_byte_timeout)
+        self.new_response = NewResponse("mixed", forwarder, self._ids, first_byte_timeout)
+        self.continued_response = NewResponse("pinned", forwarder, self._ids, first_byte_timeout)
+
+    def pick(self, request: ProxyRequest) -> Flow:
+        """The flow for ``request`` (its body read, its model known); ``ProxyError`` when none can serve it."""
+        kind = request.kind
+        if kind is Kind.BY_RESPONSE_ID:
+            request.pinned = self._ids.holder(response_id_of(request.path))
+            return self.by_response_id
+        if kind is Kind.RESPONSES and request.body is not None:
+            return self._response(request)
+        if kind is Kind.GENERATE and request.body is not None and self._disaggregated(request.model):
+            return self.decode if self._little_is_new(request) else self.disaggregated
+        if (adapter := self._adapters.registered(self._model(request))) is not None:
+            request.adapter = adapter
+            return self.adapter
+        self.check_routable(self._model(request), MIXED_ROLES)
+        return self.mixed
+
+    def _disaggregated(self, model: str | None) -> bool:
+        pool = self._pool
+        return model is not None and bool(pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model))
+
+    def _little_is_new(self, request: ProxyRequest) -> bool:
+        """So little of the prompt is new (``--pd-min-prompt-tokens``) that a prefill leg costs more than it
+        saves; the index's exact count when the prompt's ids are known."""
+        uncached, prompt = request.uncached_tokens, request.prompt
+        if prompt is not None and self._pd_min:
+            model, pool = self._model(request), self._pool
+            candidates = [s for r in Role for s in pool.candidates(r, model)]
+            uncached = self._kv.uncached(prompt, candidates, uncached, self._pd_min)
+        return uncached is not None and uncached < self._pd_min
+
+    def _response(self, request: ProxyRequest) -> Flow:
+        assert request.body is not None
+        previous = previous_response_id(request.body)
+        if previous is not None and self._ids.is_ours(previous):
+            request.pinned = self._ids.holder(previous)
+            return self.continued_response
+        self.check_routable(self._model(request), MIXED_ROLES)
+        return self.new_response
+
+    @staticmethod
+    def _model(request: ProxyRequest) -> str:
+        assert request.model is not None  # read with the body
+        return request.model
+
+    def check_routable(self, model: str, roles: tuple[Role, ...]) -> None:
+        """503 when the model is served but nothing of ``roles`` is routable now; 404 when nobody serves it."""
+        pool = self._pool
+        if any(pool.candidates(r, model) for r in roles):
+            return
+        if any(model in s.models for s in pool.all()):
+            raise NoNodeAvailable(f"no node is available for model {model!r} right now; retry shortly")
+        served = pool.models()
+        served = sorted({*served, *(a.name for a in self._adapters.listed(served))})  # registered adapters too
+        known = ", ".join(served) or "none"
+        raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
