@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -41,6 +42,7 @@ _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
 """A space between a non-space and a letter: where a soft cut goes (the space starts the next piece)."""
 _INTS: list[int] = []
 """One int object per token id, shared by every piece cached: 8 bytes per id cached instead of 36."""
+_GROWING = threading.Lock()
 
 
 class Count(Protocol):
@@ -145,8 +147,9 @@ class PrefixIds:
 
 
 def _share(size: int) -> None:
-    if len(_INTS) < size:
-        _INTS.extend(range(len(_INTS), size))
+    with _GROWING:  # tokenizers load in threads: two growing it at once would put ints out of place
+        if len(_INTS) < size:
+            _INTS.extend(range(len(_INTS), size))
 
 
 def _shared(ids: list[int]) -> tuple[int, ...]:

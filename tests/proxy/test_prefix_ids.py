@@ -46,6 +46,19 @@ FRAGMENTS = [
 runs of whitespace, an added token that is not special (Qwen's ``<tool_call>``)."""
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search_the_codebase",
+            "description": "Search every file of the repository for a pattern and return the matching lines " * 20,
+            "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}},
+        },
+    }
+]
+"""A tool whose description is long enough to be cut at its word starts (Qwen3's template renders tools)."""
+
+
 def text(rng: random.Random, chars: int) -> str:
     out: list[str] = []
     size = 0
@@ -69,9 +82,9 @@ def conversations(seed: str, count: int, turns: int) -> list[list[dict[str, Any]
         ]
         bodies = []
         for turn in range(turns):
-            bodies.append({"messages": list(messages)})
+            bodies.append({"messages": list(messages), "tools": TOOLS} if c == 1 else {"messages": list(messages)})
             messages += [
-                {"role": "assistant", "content": text(rng, 300)},
+                {"role": "assistant", "content": text(rng, 300), "reasoning_content": text(rng, 200)},
                 {"role": "user", "content": text(rng, 200 if turn % 2 else 5000)},
             ]
         bodies.append({"messages": messages[:-1], "add_generation_prompt": False, "continue_final_message": True})
