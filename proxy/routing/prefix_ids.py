@@ -271,6 +271,10 @@ class ChatIds:
         """Characters of the text whose ids are known."""
         self.reused = 0
         self._read_cached()
+        if not text.isascii():
+            # A lone surrogate (Python's json lets one through) is no text a tokenizer reads: refused here, where
+            # the caller expects errors, not later when routing asks for the ids.
+            text[self._at :].encode()
         self._cuts = splitter.cuts(text, self._at)
         self._done = 0
         """Pieces worked out since the cached ones (the last one ends at the end of the text)."""

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from tests.support.tokenizers import every_kind, qwen3
 from vllm_etcd_proxy.proxy.routing import prefix_ids
 from vllm_etcd_proxy.proxy.routing.prefix_ids import ChatIds
-from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.routing.tokens import CHECKED_SPLITS, PromptTokens
 from vllm_etcd_proxy.sim import vocab
 
 FRAGMENTS = [
@@ -221,3 +221,13 @@ def test_a_full_cache_drops_the_ends_of_prompts_before_the_preamble_they_share(s
     # A prompt larger than the whole cache still gives its ids; it cannot keep its own start cached.
     huge = {"messages": [{"role": "user", "content": text(rng, 40 * prefix_ids.SOFT_CUT)}]}
     assert replica.ids(huge).whole() == reference.whole(huge) and replica.tokens._cache.tokens <= budget
+
+
+def test_a_chat_no_tokenizer_can_read_is_refused_when_read_not_when_routed(sources: dict[str, Path]) -> None:
+    # Python's json (the fallback for bodies orjson refuses) lets a lone surrogate through; tokenizers refuse it.
+    replica = Replica(sources["wordpiece"])
+    for i in range(CHECKED_SPLITS):  # past the first chats, which are also tokenized whole (as a check) at once
+        replica.ids({"messages": [{"role": "user", "content": f"chat {i}"}]}).whole()
+    body = {"messages": [{"role": "user", "content": "chat 0, then \ud800"}]}
+    assert replica.tokens.ids("m", body, "chat") is None
+    assert replica.metric("vllm_proxy_prompt_tokenize_total", outcome="failed") == 1
