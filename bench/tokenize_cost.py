@@ -9,7 +9,8 @@ in the cases a replica meets all day.
 - **after new, nothing shared**: the second turn of a conversation whose first turn was read only in part: it
   pays for the rest of that turn (a node holds its start by then).
 
-    python -m bench.tokenize_cost [--conversations 8] [--system-words 900] [--first-words 1700] [--json]
+    python -m bench.tokenize_cost [--conversations 8] [--system-words 900] [--first-words 1700]
+        [--tokenizer NAME=DIR ...] [--json]
 
 Every request also goes through an instance that tokenizes each chat whole and reuses nothing
 (``cache_tokens=0``: the cost of every new conversation before ids were worked out in pieces), and the two must
@@ -18,7 +19,7 @@ the cache first, as some node's conversation would (its turns are also the ones 
 whole, ``tokens.CHECKED_SPLITS``). CPU is the calling thread's (``time.thread_time``) around each request's
 rendering, tokenizing and cache reads; p50 per case. Two tokenizers: the simulator's (``vllm-sim --tokenizer``:
 WordPiece, words split on whitespace) and a byte-level BPE with a ChatML template trained here on the same words
-(the kind of tokenizer Llama 3 or Qwen models have, smaller vocabulary).
+(the kind of tokenizer Llama 3 or Qwen models have, smaller vocabulary); ``--tokenizer`` adds a model's own.
 """
 
 from __future__ import annotations
@@ -61,11 +62,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--first-words", type=int, default=1700, help="words of a conversation's first message (1700)")
     p.add_argument("--user-words", type=int, default=120, help="words per later user message (120)")
     p.add_argument("--answer-tokens", type=int, default=64, help="generated tokens per answer (64)")
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also a tokenizer directory of your own (tokenizer.json, tokenizer_config.json with a chat template)",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of a table")
     args = p.parse_args(argv)
     counts = (args.conversations, args.system_words, args.first_words, args.user_words, args.answer_tokens)
     if min(counts) < 1 or args.turns < 2:
         p.error("every count must be at least 1, --turns at least 2")
+    if any("=" not in t for t in args.tokenizer):
+        p.error("--tokenizer takes NAME=DIR")
     return args
 
 
@@ -233,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources = {
             "vllm-sim (WordPiece)": vocab.write(Path(tmp) / "sim"),
             "ChatML byte-level BPE": chatml_bpe(Path(tmp) / "bpe"),
+            **{name: Path(path) for name, path in (t.split("=", 1) for t in args.tokenizer)},
         }
         report = {name: measure(source, own, shared) for name, source in sources.items()}
     if args.json:

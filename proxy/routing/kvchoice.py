@@ -49,7 +49,7 @@ cache-aware): then its prefix does not draw the request."""
 KV_FULL = 0.95
 PENDING = 2.0
 """Seconds a conversation this replica began on a node counts there before the node's events show it."""
-HEAD_TOKENS = 2048
+HEAD_TOKENS = 1024
 """Tokens of a prompt whose keys are worked out while no node holds its first block (module docstring): a
 shorter prompt is read whole (so that its quick next turn finds all of it remembered), a longer one costs a
 replica only as much tokenizing as a prompt of this length."""
