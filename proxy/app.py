@@ -139,7 +139,7 @@ class ProxyApp:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
-        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
+        """Requests to token ids (``prompt_tokens.ids``), for routing on the nodes' cached blocks."""
         self.ssl_context = tls.context if tls is not None else None
         """The listener's server context (the same one for its whole life: SIGHUP reloads into it); None: plain
         HTTP."""
@@ -269,7 +269,7 @@ class Replica:
             path,
             self.pool.models,
             self.kv_routing,
-            self.prompt_tokens.prompt_ids,
+            self.prompt_tokens.ids,
             BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
             affinity=any(p.name in AFFINITY_POLICIES for p in self.policies.values()),
             count_uncached=settings.pd_min_prompt_tokens > 0,
