@@ -49,6 +49,7 @@ from bench.procs import (
     die_with_parent,
     machine,
     parse_quick,
+    pin,
     report_and_exit_status,
 )
 
@@ -70,6 +71,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--requests-per-second", type=float, default=40.0, help="requests through the replica, one at a time (40)")
     add("--sample-every", type=float, default=1.0, help="seconds between /list_workers samples (1)")
     add("--baseline", type=Path, help="also run the replica from this checkout first (the code before)")
+    add("--variant", action="append", default=[], help="NAME=ENV=VALUE: also run this checkout with that environment")
+    add("--pin", action="store_true", help="the replica on CPU 0, the simulated fleet and this process on CPU 1")
     add("--profile", type=Path, help="py-spy the replica through each first flowing phase, into this directory")
     add_run_flags(p, QUICK, "a smoke run")
     args = parse_quick(p, argv, QUICK)
@@ -122,7 +125,7 @@ class Child:
 class SimFleet:
     """The publishers' processes and the nodes' HTTP process; ``nodes[i]`` is node i's (http, events, replay)."""
 
-    def __init__(self, fleet: Fleet, args: argparse.Namespace) -> None:
+    def __init__(self, fleet: Fleet, args: argparse.Namespace, name: str) -> None:
         self.args = args
         self.nodes = [(fleet.port(), fleet.port(), fleet.port()) for _ in range(args.publishers)]
         self.children: list[Child] = []
@@ -133,9 +136,9 @@ class SimFleet:
                 for i in range(first, min(first + args.per_process, args.publishers))
             ]
             spec = json.dumps({**config, "publishers": mine})
-            self.children.append(Child(f"publishers{len(self.children)}", ["publish", spec], fleet.log_dir))
+            self.children.append(Child(f"{name}-publishers{len(self.children)}", ["publish", spec], fleet.log_dir))
         self.publishers = list(self.children)
-        self.children.append(Child("answers", ["answer", *(str(n[0]) for n in self.nodes)], fleet.log_dir))
+        self.children.append(Child(f"{name}-answers", ["answer", *(str(n[0]) for n in self.nodes)], fleet.log_dir))
         for child in self.children:
             child.read()  # bound, or listening
 
@@ -173,6 +176,18 @@ def tree_cpu_ns(pid: int) -> int:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
+
+
+def threads_cpu_ns(pid: int) -> dict[str, int]:
+    """CPU so far of a live process's threads by name (ZMQ's I/O threads, the event loop's, ...), in ns."""
+    found: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            found[name] = found.get(name, 0) + int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
 
 
 def resident_mib(pid: int) -> float:
@@ -232,15 +247,23 @@ class Requests:
         return int(lines[0].split()[1]), headers
 
 
+def applied(client: httpx.Client) -> float:
+    """KV-event batches the replica applied so far (its /metrics counter)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("vllm_proxy_kv_event_batches_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def workers(client: httpx.Client) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = client.get("/list_workers").json()["workers"]
     return found
 
 
-def start_replica(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None) -> Server:
+def start_replica(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, extra: dict[str, str]) -> Server:
     pool = ["--mixed", *(sim.address(i) for i in range(len(sim.nodes)))]
     argv = [*pool, "--kv-events", *sim.kv_flags(), "--model", MODEL, "--scrape-load", "0", "--log-level", "warning"]
-    env = None if baseline is None else {**os.environ, "PYTHONPATH": str(baseline)}
+    env = {**os.environ, **extra, **({} if baseline is None else {"PYTHONPATH": str(baseline)})}
     replica = fleet.start(name, "vllm_etcd_proxy.proxy", argv, "/health", env=env)
     replica.wait_ready("/health", 60.0)
     return replica
@@ -284,12 +307,12 @@ def phase(replica: Server, client: httpx.Client, requests: Requests, flowing: bo
     if flowing:
         sim.set_rate(args.rate)
         time.sleep(args.warmup)  # the flow settles (connections busy, buffers warm) before it is measured
-    sent0 = sum(p["sent"] for p in sim.report().values())
+    sent0, applied0 = sum(p["sent"] for p in sim.report().values()), applied(client)
     latencies: list[float] = []
     lags: list[float] = []
     misrouted = 0
     spy = profiler(replica, args, flowing)
-    t0, cpu0 = time.perf_counter(), tree_cpu_ns(replica.pid)
+    t0, cpu0, threads0 = time.perf_counter(), tree_cpu_ns(replica.pid), threads_cpu_ns(replica.pid)
     next_request, next_sample, end = t0, t0 + args.sample_every, t0 + args.seconds
     while (now := time.perf_counter()) < end:
         if now >= next_sample:
@@ -308,19 +331,21 @@ def phase(replica: Server, client: httpx.Client, requests: Requests, flowing: bo
         took, right = requests.one()
         latencies.append(took)
         misrouted += not right
-    t1, cpu1 = time.perf_counter(), tree_cpu_ns(replica.pid)
+    t1, cpu1, threads1 = time.perf_counter(), tree_cpu_ns(replica.pid), threads_cpu_ns(replica.pid)
     if spy is not None:
         spy.wait(args.seconds + 30)
-    sent1 = sum(p["sent"] for p in sim.report().values())
+    sent1, applied1 = sum(p["sent"] for p in sim.report().values()), applied(client)
     if flowing:
         sim.set_rate(0)
     return {
         "seconds": t1 - t0,
         "cpu_s": (cpu1 - cpu0) / 1e9,
+        "threads_s": {k: (v - threads0.get(k, 0)) / 1e9 for k, v in threads1.items()},
         "latencies": latencies,
         "misrouted": misrouted,
         "lags": lags,
         "batches_sent": sent1 - sent0,
+        "batches_applied": applied1 - applied0,
     }
 
 
@@ -357,8 +382,15 @@ def integrity(found: list[dict[str, Any]], published: dict[int, Any], sim: SimFl
     return totals
 
 
-def measure(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, args: argparse.Namespace) -> Any:
-    replica = start_replica(fleet, sim, name, baseline)
+def measure(
+    fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, args: argparse.Namespace, extra: dict[str, str]
+) -> Any:
+    replica = start_replica(fleet, sim, name, baseline, extra)
+    if args.pin:
+        replica.pin({0})
+        for child in sim.children:
+            pin(child.popen.pid, {1})
+        os.sched_setaffinity(0, {1})
     try:
         with httpx.Client(base_url=replica.url, timeout=30.0) as client:
             wait_indexed(client, len(sim.nodes), time.monotonic() + 60 + len(sim.nodes) / 20)
@@ -390,7 +422,12 @@ def summary(phases: dict[str, list[Any]], checks: dict[str, int], memory: float,
             "latency_max_ms": round(max(latencies) * 1e3, 3),
             "misrouted": sum(r["misrouted"] for r in runs),
             "replica_cores": round(sum(r["cpu_s"] for r in runs) / seconds, 3),
+            "thread_cores": {
+                name: round(sum(r["threads_s"].get(name, 0.0) for r in runs) / seconds, 3)
+                for name in sorted({n for r in runs for n in r["threads_s"]})
+            },
             "batches_per_s": round(sum(r["batches_sent"] for r in runs) / seconds),
+            "applied_per_s": round(sum(r["batches_applied"] for r in runs) / seconds),
             "lag_samples": len(lags),
             "lag_p50_ms": round(quantile(lags, 0.5) * 1e3, 1) if lags else None,
             "lag_p99_ms": round(quantile(lags, 0.99) * 1e3, 1) if lags else None,
@@ -399,6 +436,8 @@ def summary(phases: dict[str, list[Any]], checks: dict[str, int], memory: float,
     out["added_p50_ms"] = round(flowing["latency_p50_ms"] - quiet["latency_p50_ms"], 3)
     out["added_p99_ms"] = round(flowing["latency_p99_ms"] - quiet["latency_p99_ms"], 3)
     out["ingest_cores"] = round(flowing["replica_cores"] - quiet["replica_cores"], 3)
+    # What a batch costs, whether or not the replica kept up (one that falls behind applies fewer than came).
+    out["ingest_us_per_batch"] = round(out["ingest_cores"] / max(1, flowing["applied_per_s"]) * 1e6, 1)
     out["integrity"] = checks
     out["resident_mib"] = round(memory, 1)
     out["blocks_indexed"] = blocks
@@ -413,15 +452,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("save",)},
         "replicas": {},
     }
+    pids: dict[str, int] = {}
     with Fleet(keep_logs=args.logs) as fleet:
-        sim = SimFleet(fleet, args)
-        try:
-            variants = ([("before", args.baseline)] if args.baseline else []) + [("after", None)]
-            for name, baseline in variants:
-                report["replicas"][name] = measure(fleet, sim, f"replica-{name}", baseline, args)
-        finally:
-            sim.stop()
-        report["server_pids"] = {s.name: s.pid for s in fleet.servers} | {c.name: c.popen.pid for c in sim.children}
+        variants: list[tuple[str, Path | None, dict[str, str]]] = (
+            [("before", args.baseline, {})] if args.baseline else []
+        )
+        variants.append(("after", None, {}))
+        for spec in args.variant:
+            name, env, value = spec.split("=", 2)
+            variants.append((name, None, {env: value}))
+        for name, baseline, extra in variants:
+            # Publishers of its own for each replica: each gets the probes by replay, as the first one did.
+            sim = SimFleet(fleet, args, name)
+            try:
+                report["replicas"][name] = measure(fleet, sim, f"replica-{name}", baseline, args, extra)
+            finally:
+                sim.stop()
+            pids |= {c.name: c.popen.pid for c in sim.children}
+        pids |= {s.name: s.pid for s in fleet.servers}
+    report["server_pids"] = pids
     report["machine"] = machine(started, loadavg)
     report["ok"] = all(
         r["integrity"]["lost"] == 0 and r["integrity"]["misread_nodes"] == 0 and not r["quiet"]["misrouted"]
@@ -449,9 +498,10 @@ def render(report: dict[str, Any]) -> str:
             f"{q['misrouted'] + f['misrouted']:>9} {i['lost']:>5} {i['misread_nodes']:>7} {r['resident_mib']:>8}"
         )
         lines.append(
-            f"{'':>8} gaps {i['gaps']}, replays {i['replays']}, malformed {i['malformed']}, restarts {i['restarts']}, "
+            f"{'':>8} applied {f['applied_per_s']} batches/s, {r['ingest_us_per_batch']} us of CPU each; "
+            f"gaps {i['gaps']}, replays {i['replays']}, malformed {i['malformed']}, restarts {i['restarts']}, "
             f"orphans {i['orphan_blocks']}; {r['blocks_indexed']:,} blocks indexed; replica cores quiet "
-            f"{q['replica_cores']}, flowing {f['replica_cores']}"
+            f"{q['replica_cores']}, flowing {f['replica_cores']} (by thread: {f['thread_cores']})"
         )
     return "\n".join(lines)
 

@@ -116,19 +116,21 @@ class KvRouting:
         """Whether a prompt whose prefix cached on the node ends at the block ``key`` is the next turn of a
         conversation there: a chain the node stored ends there, or this replica just sent it a prompt ending
         there (its events may not say so yet); else it branches off a chain (a new conversation)."""
-        blocks = self.index.node(state.entry_key)
-        if blocks is not None and blocks.conversations.is_tip(key):
-            return True
-        return bool(self._sent_tips.get(key, 0) & (1 << self.index.slot_of(state.entry_key)))
+        with self.index.lock:
+            blocks = self.index.node(state.entry_key)
+            if blocks is not None and blocks.conversations.is_tip(key):
+                return True
+            return bool(self._sent_tips.get(key, 0) & (1 << self.index.slot_of(state.entry_key)))
 
     def sent(self, state: NodeState, keys: Sequence[int], held: int = 0) -> None:
         """The request with the block ``keys`` went to the node, which held its first ``held`` tokens already:
         only the keys after those are remembered (a long conversation's next turn adds a few)."""
-        slot = self.index.slot_of(state.entry_key)
+        with self.index.lock:
+            slot = self.index.slot_of(state.entry_key)
+            version, blocks = self.index.version(slot), self.index.node(state.entry_key)
         bit = 1 << slot
         until = time.monotonic() + self._remember
-        self._valid[slot] = (self.index.version(slot), until)
-        blocks = self.index.node(state.entry_key)
+        self._valid[slot] = (version, until)
         size = blocks.block_size if blocks is not None else 0
         if keys:
             self._sent_tips[keys[-1]] = self._sent_tips.get(keys[-1], 0) | bit
@@ -139,8 +141,9 @@ class KvRouting:
 
     def conversations(self, state: NodeState, now: float) -> int:
         """The conversations the node serves: by its events, plus those this replica just began there."""
-        blocks = self.index.node(state.entry_key)
-        begun, active = (blocks.conversations.begun, blocks.conversations.active(now)) if blocks else (0, 0)
+        with self.index.lock:
+            blocks = self.index.node(state.entry_key)
+            begun, active = (blocks.conversations.begun, blocks.conversations.active(now)) if blocks else (0, 0)
         mine = self._begun.get(state.entry_key)
         if mine is None:
             return active
@@ -164,6 +167,10 @@ class KvRouting:
     def cached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> list[tuple[NodeState, int, list[int]]] | None:
         """(node, cached prompt tokens, the prompt's keys at its block size) for each tracked node; None when no
         node is tracked."""
+        with self.index.lock:
+            return self._cached(prompt, pool)
+
+    def _cached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> list[tuple[NodeState, int, list[int]]] | None:
         index, lora = self.index, _adapter(prompt.model, pool)
         found: list[tuple[NodeState, int, list[int]]] = []
         groups: dict[int, list[tuple[NodeState, int]]] = {}

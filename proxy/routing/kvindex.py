@@ -139,10 +139,11 @@ class KvIndex:
                 if stored is not None:
                     node.conversations.stored(*stored, when)
             elif isinstance(event, Removed):
+                pop, release, slot = node.blocks.pop, self._holders.release, node.slot
                 for engine_hash in event.hashes:
-                    key = node.blocks.pop(engine_hash)
+                    key = pop(engine_hash)
                     if key is not None:
-                        self._holders.release(key, node.slot)
+                        release(key, slot)
             elif isinstance(event, Cleared):
                 self._clear(node)
 
@@ -208,8 +209,11 @@ class KvIndex:
         which only those in the mask ``extra_slots`` count."""
         depth: dict[int, int] = {}
         alive = slots
-        (words, size), shared = self._holders.table, self._holders.shared
+        holders = self._holders
+        shards, shift, shared = holders.shards, holders.shift, holders.shared
         for i, key in enumerate(keys):
+            table = shards[key >> shift]
+            words, size = table.words, table.size
             mask, j = 0, key % size
             while word := words[j]:  # Holders.mask, written out: a call per key would cost ~0.1 us more
                 if word >> 16 == key:
