@@ -3,10 +3,12 @@ and removals, including hashes that crowd the same slots and runs that wrap arou
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_etcd_proxy.proxy.routing.kvblocks import BlockMap, Holders
+from vllm_etcd_proxy.proxy.routing.kvblocks import SPLIT_AT, BlockMap, Holders
 
 # Small hashes share their home slots (and the runs reach the end of the table and wrap); large ones spread.
 HASHES = st.integers(0, 40) | st.integers(0, (1 << 60) - 1) | st.sampled_from([15, 31, 47, 63, 1 << 40, (1 << 40) + 15])
@@ -66,3 +68,22 @@ def test_holders_answer_as_a_dict_of_bit_masks_after_any_changes(changes: list[t
         assert packed.mask(key) == mask
     assert all(packed.mask(k) == 0 for k in range(41) if k not in model)
     assert set(packed.shared) == {k for k, m in model.items() if m & (m - 1)}
+
+
+def test_maps_split_into_shards_past_their_threshold_and_answer_alike() -> None:
+    # Enough entries to split both maps into shards, then removals of half: every answer still a dict's.
+    rng = random.Random(5)
+    count = 3 * SPLIT_AT
+    hashes, keys = [rng.getrandbits(64) for _ in range(count)], [rng.getrandbits(48) for _ in range(count)]
+    blocks, holders = BlockMap(), Holders()
+    for engine_hash, key in zip(hashes, keys, strict=True):
+        assert blocks.add(engine_hash, key)
+        holders.add(key, 3)
+    for engine_hash, key in zip(hashes[::2], keys[::2], strict=True):
+        assert blocks.pop(engine_hash) == key
+        holders.release(key, 3)
+    assert len(blocks) == len(holders) == count // 2
+    assert all(blocks.get(h) == k for h, k in zip(hashes[1::2], keys[1::2], strict=True))
+    assert all(blocks.get(h) is None for h in hashes[::2])
+    assert all(holders.mask(k) == 1 << 3 for k in keys[1::2]) and not any(holders.mask(k) for k in keys[::2])
+    assert sorted(blocks.values()) == sorted(keys[1::2])
