@@ -73,6 +73,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--baseline", type=Path, help="also run the replica from this checkout first (the code before)")
     add("--variant", action="append", default=[], help="NAME=ENV=VALUE: also run this checkout with that environment")
     add("--pin", action="store_true", help="the replica on CPU 0, the simulated fleet and this process on CPU 1")
+    add("--repeat", type=int, default=1, help="run the replicas (before, after, ...) this many times, in turn (1)")
     add("--profile", type=Path, help="py-spy the replica through each first flowing phase, into this directory")
     add_run_flags(p, QUICK, "a smoke run")
     args = parse_quick(p, argv, QUICK)
@@ -119,6 +120,8 @@ class Child:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(10)
+        self._in.close()
+        self._out.close()
         self._log.close()
 
 
@@ -263,10 +266,16 @@ def workers(client: httpx.Client) -> list[dict[str, Any]]:
 def start_replica(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, extra: dict[str, str]) -> Server:
     pool = ["--mixed", *(sim.address(i) for i in range(len(sim.nodes)))]
     argv = [*pool, "--kv-events", *sim.kv_flags(), "--model", MODEL, "--scrape-load", "0", "--log-level", "warning"]
-    env = {**os.environ, **extra, **({} if baseline is None else {"PYTHONPATH": str(baseline)})}
+    # PYTHONSAFEPATH: ``python -m`` would put the current directory (this checkout) before PYTHONPATH.
+    before = {} if baseline is None else {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, **extra, **before}
     replica = fleet.start(name, "vllm_etcd_proxy.proxy", argv, "/health", env=env)
     replica.wait_ready("/health", 60.0)
     return replica
+
+
+class NotFollowed(RuntimeError):
+    """The replica did not track every node with what it held before (a finding, reported as such)."""
 
 
 def wait_indexed(client: httpx.Client, count: int, deadline: float) -> None:
@@ -277,7 +286,7 @@ def wait_indexed(client: httpx.Client, count: int, deadline: float) -> None:
         if len(ready) == count:
             return
         if time.monotonic() > deadline:
-            raise SystemExit(f"only {len(ready)} of {count} nodes tracked with their probe indexed")
+            raise NotFollowed(f"only {len(ready)} of {count} nodes tracked with their probe indexed")
         time.sleep(0.2)
 
 
@@ -461,20 +470,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for spec in args.variant:
             name, env, value = spec.split("=", 2)
             variants.append((name, None, {env: value}))
-        for name, baseline, extra in variants:
+        runs = (
+            variants
+            if args.repeat == 1
+            else [(f"{n}-{i + 1}", b, e) for i in range(args.repeat) for n, b, e in variants]
+        )
+        for name, baseline, extra in runs:
             # Publishers of its own for each replica: each gets the probes by replay, as the first one did.
             sim = SimFleet(fleet, args, name)
             try:
                 report["replicas"][name] = measure(fleet, sim, f"replica-{name}", baseline, args, extra)
+            except NotFollowed as exc:
+                report["replicas"][name] = {"error": str(exc)}
             finally:
                 sim.stop()
             pids |= {c.name: c.popen.pid for c in sim.children}
         pids |= {s.name: s.pid for s in fleet.servers}
     report["server_pids"] = pids
     report["machine"] = machine(started, loadavg)
+    measured = [r for name, r in report["replicas"].items() if "error" not in r or not name.startswith("before")]
     report["ok"] = all(
-        r["integrity"]["lost"] == 0 and r["integrity"]["misread_nodes"] == 0 and not r["quiet"]["misrouted"]
-        for r in report["replicas"].values()
+        "error" not in r and r["integrity"]["lost"] == r["integrity"]["misread_nodes"] == r["quiet"]["misrouted"] == 0
+        for r in measured
     )
     return report
 
@@ -490,6 +507,9 @@ def render(report: dict[str, Any]) -> str:
         f"{'lost':>5} {'misread':>7} {'RSS MiB':>8}",
     ]
     for name, r in report["replicas"].items():
+        if "error" in r:
+            lines.append(f"{name:>8} {r['error']}")
+            continue
         q, f, i = r["quiet"], r["flowing"], r["integrity"]
         lines.append(
             f"{name:>8} {f['batches_per_s']:>9} {r['ingest_cores']:>12} "

@@ -54,7 +54,7 @@ class KvSubscribers:
 
     def start(self) -> None:
         """Subscribe to the nodes known now, and to those that come later (call in the running loop)."""
-        self._reader = KvReader(self._sink)
+        self._reader = KvReader(self._sink, self.stats)
         self._reader.start()
         self._started_at = time.monotonic()
         for state in self._pool.all():

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from vllm_etcd_proxy.proxy.discovery.kvsub import SILENT_CHECK, KvSink, Pending, Subscriber
+from vllm_etcd_proxy.proxy.discovery.kvsub import SILENT_CHECK, KvSink, KvStats, Pending, Subscriber
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,10 @@ SLICE = 0.001
 """Seconds of reading before the thread sleeps for a moment (``PAUSE``) and lets the request path run."""
 PAUSE = 0.0002
 """(Not through the event loop, whose shortest sleep is a millisecond.)"""
+BEHIND = 0.05
+"""Seconds of lag behind the nodes (the last live batch's) past which the reader no longer pauses between
+slices: on a machine short of CPU, requests then wait for the lock up to the interpreter's switch interval
+(5 ms), rather than the index falling seconds behind."""
 BUDGET = 32
 """Frames read from one socket before the others get their turn (and the slice's clock is read)."""
 RETRY = 1.0
@@ -55,8 +59,8 @@ class KvReader:
     """The reading thread (module docstring). ``start`` it, ``add`` and ``remove`` subscribers from any thread,
     ``stop`` it from the request path's loop."""
 
-    def __init__(self, sink: KvSink) -> None:
-        self._sink = sink
+    def __init__(self, sink: KvSink, stats: KvStats) -> None:
+        self._sink, self._stats = sink, stats
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._context: zmq.asyncio.Context | None = None
@@ -240,7 +244,8 @@ class KvReader:
                     await asyncio.sleep(TICK)  # what comes meanwhile is read in one round
                     self._collect()
                 else:
-                    time.sleep(PAUSE)  # the slice ran out: the interpreter's lock is free for the request path
+                    if self._stats.lag < BEHIND:  # the slice ran out: the interpreter's lock goes to requests,
+                        time.sleep(PAUSE)  # unless the index falls behind the nodes (a starved machine)
                     await asyncio.sleep(0)  # and this loop's own work (replays, nodes added) runs
 
     def _round(self) -> bool:

@@ -74,6 +74,8 @@ class KvStats:
     restarts: int = 0
     lag_counts: list[int] = field(default_factory=lambda: [0] * (len(LAG_BUCKETS) + 1))
     lag_sum: float = 0.0
+    lag: float = 0.0
+    """Of the last live batch applied, any node's."""
 
 
 class Pending(NamedTuple):
@@ -345,3 +347,4 @@ class Subscriber:
         if live:  # a replayed batch's lag is how long ago the node published it, not how far behind we are
             stats.lag_counts[bisect.bisect_left(LAG_BUCKETS, lag)] += 1
             stats.lag_sum += lag
+            stats.lag = lag
