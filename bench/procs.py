@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import platform
+import random
 import signal
 import socket
 import ssl
@@ -29,8 +30,31 @@ _PR_SET_PDEATHSIG = 1
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+PORTS_FROM = 10_000
+"""The lowest port handed out (well above the well-known ones)."""
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A loopback port free now, drawn below the kernel's ephemeral range: a port from binding port 0 comes from
+    that range, where any outgoing connection's local port does too, and one could take it before its server
+    binds it (seen: a replica that could not listen, "address already in use")."""
+    top = _ephemeral_floor()
+    for _ in range(1000):
+        port = random.randrange(PORTS_FROM, top)
+        with socket.socket() as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # everything below the range is taken: the range it is
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
 

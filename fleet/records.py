@@ -161,12 +161,16 @@ def url_host_port(url: str) -> str:
     return f"{host}:{port}"
 
 
+KEY_PREFIX, CLUSTER = "/vllm", "default"
+"""The contract's defaults of the key layout (and of ``--etcd-prefix`` and ``--cluster`` in every program)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class KeyLayout:
     """``{prefix}/{cluster}/{role}/{node_id}``: building and parsing keys."""
 
-    prefix: str = "/vllm"
-    cluster: str = "default"
+    prefix: str = KEY_PREFIX
+    cluster: str = CLUSTER
 
     @property
     def cluster_prefix(self) -> str:

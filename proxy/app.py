@@ -139,7 +139,7 @@ class ProxyApp:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
-        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
+        """Requests to token ids (``prompt_tokens.ids``), for routing on the nodes' cached blocks."""
         self.ssl_context = tls.context if tls is not None else None
         """The listener's server context (the same one for its whole life: SIGHUP reloads into it); None: plain
         HTTP."""
@@ -185,7 +185,7 @@ class Replica:
         self.settings = settings
         self.lifecycle = Lifecycle()
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        self.metrics = metrics = ProxyMetrics(registry)
+        self.metrics = metrics = ProxyMetrics(registry, immediate=bool(os.environ.get(METRICS_DIR_ENV)))
         self.pool = pool = static_pool(settings)
         self.discovery_state = DiscoveryState(enabled=settings.etcd is not None)
         self.layout = KeyLayout(prefix=settings.etcd_prefix, cluster=settings.cluster)
@@ -269,7 +269,7 @@ class Replica:
             path,
             self.pool.models,
             self.kv_routing,
-            self.prompt_tokens.prompt_ids,
+            self.prompt_tokens.ids,
             BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
             affinity=any(p.name in AFFINITY_POLICIES for p in self.policies.values()),
             count_uncached=settings.pd_min_prompt_tokens > 0,
@@ -329,7 +329,8 @@ class Replica:
             supervise("etcd-discovery", discovery.run)
         for run in self.tenancy.tasks:
             supervise("tenancy", run)
-        supervise("sighup", self.hangup.run)
+        if self.hangup.configured:
+            supervise("sighup", self.hangup.run)
 
     async def _prune_connections(self) -> None:
         """Close, now and then, the idle connections of nodes that left."""

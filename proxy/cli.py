@@ -22,6 +22,7 @@ from vllm_etcd_proxy.fleet.flags import environment_defaults
 from vllm_etcd_proxy.fleet.records import KeyLayout
 from vllm_etcd_proxy.proxy.app import build_app
 from vllm_etcd_proxy.proxy.flags import ENV_PREFIX, LIST_FLAGS, build_parser, settings_from_args
+from vllm_etcd_proxy.proxy.httpserver import GatheringHttpToolsProtocol
 from vllm_etcd_proxy.proxy.operations.info import Lifecycle
 from vllm_etcd_proxy.proxy.operations.workers import run_workers
 from vllm_etcd_proxy.proxy.settings import ProxySettings
@@ -130,7 +131,7 @@ def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=GatheringHttpToolsProtocol,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)),

@@ -11,11 +11,12 @@ prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from vllm_etcd_proxy.sim import tokens
@@ -24,7 +25,7 @@ from vllm_etcd_proxy.sim.knobs import Knobs
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig, Publisher
 from vllm_etcd_proxy.sim.latency import Latencies
 from vllm_etcd_proxy.sim.lora import Adapters
-from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
+from vllm_etcd_proxy.sim.prefix_cache import Lease, PrefixCache
 from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.settings import SimSettings
 from vllm_etcd_proxy.sim.vocab import HfVocab
@@ -202,48 +203,19 @@ class Engine:
         arrived = time.monotonic()
         epoch, aborted = self._abort_epoch, False
         try:
-            if not self._unhung.is_set():
-                record.state = "hung"
-                self.hung += 1
-                try:
-                    await self._unhung.wait()
-                finally:
-                    self.hung -= 1
+            await self._until_unhung(record)
             await self.until_awake(record)
             if on_accept is not None:
                 await on_accept()
             record.state = "waiting"
-            swapped = job.adapter is not None and await self.adapters.enter(job.adapter)
-            try:
-                await self.slots.acquire()
-            except BaseException:
-                if job.adapter is not None:
-                    self.adapters.leave(job.adapter)
-                raise
-            lease = self.cache.admit(job.prompt, job.cache_salt, job.adapter)
-            try:
-                if swapped:
-                    await asyncio.sleep(self.knobs.lora_swap_time)
-                record.state, record.cached_tokens = "running", lease.hit_tokens
-                self.counters["prefix_cache_queries"] = self.cache.queries
-                self.counters["prefix_cache_hits"] = self.cache.hits
-                uncached = len(job.prompt) - lease.hit_tokens
-                await asyncio.sleep(
-                    self._batched(
-                        self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
-                    )
-                )
-                self.counters["prompt_tokens"] += record.prompt_tokens
+            async with self._scheduled(job) as lease:
+                await self._prefill(job, lease)
                 last = time.monotonic()
                 self.latencies.ttft.observe(last - arrived)
                 for i, token in enumerate(job.tokens):
                     if i:
-                        await asyncio.sleep(self._batched(self.knobs.itl))
-                        now = time.monotonic()
-                        self.latencies.itl.observe(now - last)
-                        last = now
-                    limit = self.knobs.fail_after_tokens
-                    if limit and i >= limit:
+                        last = await self._token_gap(last)
+                    if self._fails_at(i):
                         outcome = "failed"
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
                     await self._stall(record, i, epoch)
@@ -257,16 +229,72 @@ class Engine:
                 outcome = "aborted" if aborted else "done"
                 if not aborted:
                     self.latencies.e2e.observe(time.monotonic() - arrived)
-            finally:
-                self.cache.release(lease, job.tokens[: record.completion_tokens])
-                self.slots.release()
-                if job.adapter is not None:
-                    self.adapters.leave(job.adapter)
         finally:
-            record.state = outcome
-            record.cancelled = outcome == "cancelled"
-            self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
-            self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+            self._ended(job, outcome)
+
+    async def _until_unhung(self, record: Record) -> None:
+        """Hold ``record``'s request while --hang is on."""
+        if not self._unhung.is_set():
+            record.state = "hung"
+            self.hung += 1
+            try:
+                await self._unhung.wait()
+            finally:
+                self.hung -= 1
+
+    @contextlib.asynccontextmanager
+    async def _scheduled(self, job: Job) -> AsyncIterator[Lease]:
+        """While the body runs: a sequence slot, the job's adapter in a batch slot (swapped in first, which takes
+        --lora-swap-time) and the prompt's blocks pinned in the prefix cache (the lease)."""
+        swapped = job.adapter is not None and await self.adapters.enter(job.adapter)
+        try:
+            await self.slots.acquire()
+        except BaseException:
+            if job.adapter is not None:
+                self.adapters.leave(job.adapter)
+            raise
+        lease = self.cache.admit(job.prompt, job.cache_salt, job.adapter)
+        try:
+            if swapped:
+                await asyncio.sleep(self.knobs.lora_swap_time)
+            yield lease
+        finally:
+            self.cache.release(lease, job.tokens[: job.record.completion_tokens])
+            self.slots.release()
+            if job.adapter is not None:
+                self.adapters.leave(job.adapter)
+
+    async def _prefill(self, job: Job, lease: Lease) -> None:
+        """Up to the first token: --ttft plus --prefill-per-token for each prompt token the cache did not hold, or
+        one --itl on a decode leg whose KV came from a prefill node."""
+        record, knobs = job.record, self.knobs
+        record.state, record.cached_tokens = "running", lease.hit_tokens
+        self.counters["prefix_cache_queries"] = self.cache.queries
+        self.counters["prefix_cache_hits"] = self.cache.hits
+        uncached = len(job.prompt) - lease.hit_tokens
+        await asyncio.sleep(
+            self._batched(knobs.itl if job.kv_loaded else knobs.ttft + uncached * knobs.prefill_per_token)
+        )
+        self.counters["prompt_tokens"] += record.prompt_tokens
+
+    async def _token_gap(self, last: float) -> float:
+        """Wait one --itl after the token sent at ``last``; returns when the next one is due."""
+        await asyncio.sleep(self._batched(self.knobs.itl))
+        now = time.monotonic()
+        self.latencies.itl.observe(now - last)
+        return now
+
+    def _fails_at(self, sent: int) -> bool:
+        """--fail-after-tokens: the generation fails instead of sending its next token."""
+        limit = self.knobs.fail_after_tokens
+        return bool(limit) and sent >= limit
+
+    def _ended(self, job: Job, outcome: str) -> None:
+        record = job.record
+        record.state = outcome
+        record.cancelled = outcome == "cancelled"
+        self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
+        self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
 
     def _batched(self, seconds: float) -> float:
         """``seconds`` stretched by the other sequences running now (--batch-slowdown)."""

@@ -141,6 +141,8 @@ class Publisher:
             "medium": MEDIUM,
             "lora_name": lora,
             "extra_keys": _extra_keys(len(blocks), lora, salt),
+            "group_idx": 0,
+            "kv_cache_spec_kind": "full_attention",
         }
         self._add("BlockStored", fields)
 

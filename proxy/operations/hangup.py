@@ -25,10 +25,13 @@ class Hangup:
         """Run ``reload`` on each SIGHUP (``what`` names it in logs); it logs and counts its own outcome."""
         self._reloads.append((what, reload))
 
+    @property
+    def configured(self) -> bool:
+        """Whether there is anything to reload (else ``run`` need not run: SIGHUP keeps its disposition)."""
+        return bool(self._reloads)
+
     async def run(self) -> None:
-        """Until cancelled; returns at once with nothing to reload (SIGHUP keeps the disposition it had)."""
-        if not self._reloads:
-            return
+        """Until cancelled (a loop to run only when ``configured``)."""
         loop = asyncio.get_running_loop()
         hangup = asyncio.Event()
         names = ", ".join(what for what, _ in self._reloads)
@@ -36,7 +39,7 @@ class Hangup:
             loop.add_signal_handler(signal.SIGHUP, hangup.set)
         except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (an app run inside tests)
             log.info("SIGHUP cannot be handled here; read at start only: %s", names)
-            return
+            await asyncio.Event().wait()  # nothing to do until cancelled
         try:
             while True:
                 await hangup.wait()

@@ -157,7 +157,8 @@ class Flows:
         uncached, prompt = request.uncached_tokens, request.prompt
         if prompt is not None and self._pd_min:
             model, pool = self._model(request), self._pool
-            uncached = self._kv.uncached(prompt, [s for r in Role for s in pool.candidates(r, model)], uncached)
+            candidates = [s for r in Role for s in pool.candidates(r, model)]
+            uncached = self._kv.uncached(prompt, candidates, uncached, self._pd_min)
         return uncached is not None and uncached < self._pd_min
 
     def _response(self, request: ProxyRequest) -> Flow:

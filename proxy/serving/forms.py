@@ -38,17 +38,9 @@ def multipart_field(body: bytes, content_type: bytes, name: str) -> str | None:
         raise BadRequest("multipart/form-data request without a boundary")
     delimiter = b"--" + (match.group(1) or match.group(2))
     wanted = name.encode()
-    if not body.startswith(delimiter):
-        start = body.find(b"\r\n" + delimiter)
-        if start < 0:
-            raise BadRequest("multipart body is not framed by its boundary")
-        position = start + 2 + len(delimiter)
-    else:
-        position = len(delimiter)
     separator = b"\r\n" + delimiter
-    while True:
-        if body.startswith(b"--", position):
-            return None  # the closing delimiter
+    position = _first_part(body, delimiter)
+    while not body.startswith(b"--", position):  # else the closing delimiter
         head_end = body.find(b"\r\n\r\n", position)
         if head_end < 0:
             raise BadRequest("multipart part without a header block")
@@ -57,13 +49,28 @@ def multipart_field(body: bytes, content_type: bytes, name: str) -> str | None:
         if value_end < 0:
             raise BadRequest("multipart body is not closed by its boundary")
         if _part_name(body[position:head_end]) == wanted:
-            if value_end - value_start > MAX_FIELD:
-                raise BadRequest(f"form field {name!r} is too long", param=name)
-            try:
-                return body[value_start:value_end].decode()
-            except UnicodeDecodeError:
-                raise BadRequest(f"form field {name!r} is not UTF-8", param=name) from None
+            return _field_text(body[value_start:value_end], name)
         position = value_end + len(separator)
+    return None
+
+
+def _first_part(body: bytes, delimiter: bytes) -> int:
+    """Where the first part's headers start (after the first delimiter and any preamble before it)."""
+    if body.startswith(delimiter):
+        return len(delimiter)
+    start = body.find(b"\r\n" + delimiter)
+    if start < 0:
+        raise BadRequest("multipart body is not framed by its boundary")
+    return start + 2 + len(delimiter)
+
+
+def _field_text(value: bytes, name: str) -> str:
+    if len(value) > MAX_FIELD:
+        raise BadRequest(f"form field {name!r} is too long", param=name)
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise BadRequest(f"form field {name!r} is not UTF-8", param=name) from None
 
 
 def _part_name(headers: bytes) -> bytes | None:

@@ -109,7 +109,7 @@ class Relay:
                 outcome = "broken"
                 await self._broken(request, exc, _is_event_stream(response.headers))
                 return
-            self._metrics.stream_chunks.inc(chunks)
+            self._metrics.chunks(chunks)
             if request.tally is not None:
                 tally = request.tally
                 tally.chunks, tally.tail, tally.streamed = chunks, before + last, _is_event_stream(response.headers)
@@ -169,7 +169,7 @@ class Relay:
                 failure.message,
             )
             current, splice = answer, Splice(request.path, done)
-        self._metrics.stream_chunks.inc(sent.writes)
+        self._metrics.chunks(sent.writes)
         if request.tally is not None:
             request.tally.chunks, request.tally.tail, request.tally.streamed = sent.writes, sent.tail(), True
         await request.send_last()

@@ -9,6 +9,7 @@ object lives for one request and is never shared between tasks.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -25,6 +26,31 @@ if TYPE_CHECKING:
     from vllm_etcd_proxy.proxy.serving.flows import Flow
     from vllm_etcd_proxy.proxy.serving.parsing import ClientRequest
     from vllm_etcd_proxy.proxy.tenancy.keys import Limits
+
+
+DISCONNECT_EXTENSION = "vllm_proxy.disconnect"
+"""The scope's ``extensions`` key under which our HTTP server (httpserver.py) gives a request its connection's
+``DisconnectHook`` (``{"hook": ...}``; absent under another server)."""
+
+
+class DisconnectHook:
+    """Calls back once when the client's connection is lost, for the request being answered on it."""
+
+    __slots__ = ("_callback",)
+
+    def __init__(self) -> None:
+        self._callback: Callable[[], None] | None = None
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+
+    def unwatch(self) -> None:
+        self._callback = None
+
+    def lost(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()
 
 
 class Tally:
@@ -80,6 +106,7 @@ class ProxyRequest:
         "_usage",
         "_task",
         "_waiter",
+        "_hook",
     )
 
     def __init__(
@@ -144,6 +171,7 @@ class ProxyRequest:
         self._usage: tuple[int | None, int | None] | None = None
         self._task: asyncio.Task[Any] | None = None
         self._waiter: asyncio.Future[Message] | None = None
+        self._hook: DisconnectHook | None = None
 
     @property
     def request_id(self) -> str:
@@ -177,19 +205,33 @@ class ProxyRequest:
     # -- the client leaving -------------------------------------------------------------------------------------
 
     def watch_disconnect(self) -> None:
-        """Cancel the current task when the client disconnects (call once the request body was read whole)."""
+        """Cancel the current task when the client disconnects (call once the request body was read whole). Our
+        server says so itself (httpserver.py); under another, a task waits on ``receive()``."""
         self._task = asyncio.current_task()
+        extensions = self.scope.get("extensions")
+        given = extensions.get(DISCONNECT_EXTENSION) if extensions else None
+        hook = given.get("hook") if given else None
+        if isinstance(hook, DisconnectHook):
+            self._hook = hook
+            hook.watch(self._on_lost)
+            return
         self._waiter = waiter = asyncio.ensure_future(self.receive())
         waiter.add_done_callback(self._on_receive)
 
-    def _on_receive(self, fut: asyncio.Future[Message]) -> None:
-        if fut.cancelled() or fut.exception() is not None or self.finished:
-            return
-        if fut.result().get("type") == "http.disconnect" and self._task is not None:
+    def _on_lost(self) -> None:
+        if not self.finished and self._task is not None:
             self.gone = True
             self._task.cancel()
 
+    def _on_receive(self, fut: asyncio.Future[Message]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result().get("type") == "http.disconnect":
+            self._on_lost()
+
     def stop_watching(self) -> None:
-        if self._waiter is not None:
+        if self._hook is not None:
+            self._hook.unwatch()
+        elif self._waiter is not None:
             self._waiter.remove_done_callback(self._on_receive)
             self._waiter.cancel()

@@ -145,6 +145,7 @@ class Progress:
 
 
 def progress(path: str, log: StreamLog) -> Progress:
+    """What the client received of the answer (its first choice), from the events it got."""
     found = Progress()
     for obj in log.events():
         if found.id is None and isinstance(obj.get("id"), str):
@@ -152,54 +153,42 @@ def progress(path: str, log: StreamLog) -> Progress:
         if isinstance(obj.get("prompt_token_ids"), list):
             found.prompt_ids = obj["prompt_token_ids"]
         for choice in obj.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            if path == CHAT:
-                delta = choice.get("delta") or {}
-                piece = delta.get("content") if isinstance(delta, dict) else None
-            else:
-                piece = choice.get("text")
-                if isinstance(choice.get("prompt_token_ids"), list):
-                    found.prompt_ids = choice["prompt_token_ids"]
-            ids = choice.get("token_ids")
-            if isinstance(ids, list):
-                found.ids_seen = True
-                found.ids += ids
-                found.tokens += len(ids)
-            elif isinstance(piece, str) and piece:
-                found.tokens += 1
-            if isinstance(piece, str):
-                found.text += piece
-            if choice.get("finish_reason"):
-                found.finish_reason = choice["finish_reason"]
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                _add_choice(found, path, choice)
     return found
+
+
+def _add_choice(found: Progress, path: str, choice: dict[str, Any]) -> None:
+    """One event's first choice added to ``found``: its text, its token ids (or a token counted per piece)."""
+    if path == CHAT:
+        delta = choice.get("delta") or {}
+        piece = delta.get("content") if isinstance(delta, dict) else None
+    else:
+        piece = choice.get("text")
+        if isinstance(choice.get("prompt_token_ids"), list):
+            found.prompt_ids = choice["prompt_token_ids"]
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        found.ids_seen = True
+        found.ids += ids
+        found.tokens += len(ids)
+    elif isinstance(piece, str) and piece:
+        found.tokens += 1
+    if isinstance(piece, str):
+        found.text += piece
+    if choice.get("finish_reason"):
+        found.finish_reason = choice["finish_reason"]
 
 
 def continuation_body(path: str, body: Mapping[str, Any], done: Progress) -> dict[str, Any] | None:
     """The request that generates the rest of the answer, or None when nothing is left to generate."""
     if done.finish_reason is not None:
         return None
-    leg = dict(body)
-    for name in ("max_tokens", "max_completion_tokens"):
-        if isinstance(leg.get(name), int):
-            left = leg[name] - done.tokens
-            if left <= 0:
-                return None
-            leg[name] = left
-    for name in ("min_tokens", "min_completion_tokens"):
-        if isinstance(leg.get(name), int):
-            leg[name] = max(0, leg[name] - done.tokens)
-    if not done.tokens:
+    leg = _fewer_tokens(body, done.tokens)
+    if leg is None or not done.tokens:
         return leg
     if path == COMPLETIONS:
-        prompt = body.get("prompt")
-        prompt_ids: list[int] | None = prompt if _is_ids(prompt) else done.prompt_ids
-        if done.ids_seen and prompt_ids:
-            leg["prompt"] = [*prompt_ids, *done.ids]
-        elif isinstance(prompt, list):
-            leg["prompt"] = [prompt[0] + done.text] if prompt and isinstance(prompt[0], str) else prompt
-        else:
-            leg["prompt"] = f"{prompt}{done.text}"
+        leg["prompt"] = _continued_prompt(body.get("prompt"), done)
         return leg
     messages = list(body.get("messages") or [])
     last = messages[-1] if messages else None
@@ -211,6 +200,31 @@ def continuation_body(path: str, body: Mapping[str, Any], done: Progress) -> dic
     leg["continue_final_message"] = True
     leg["add_generation_prompt"] = False
     return leg
+
+
+def _fewer_tokens(body: Mapping[str, Any], sent: int) -> dict[str, Any] | None:
+    """``body`` with its token budgets less the ``sent`` tokens; None when its maximum is used up."""
+    leg = dict(body)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if isinstance(leg.get(name), int):
+            left = leg[name] - sent
+            if left <= 0:
+                return None
+            leg[name] = left
+    for name in ("min_tokens", "min_completion_tokens"):
+        if isinstance(leg.get(name), int):
+            leg[name] = max(0, leg[name] - sent)
+    return leg
+
+
+def _continued_prompt(prompt: Any, done: Progress) -> Any:
+    """A completion's prompt and what was generated: as token ids when the stream carried them, else as text."""
+    prompt_ids: list[int] | None = prompt if _is_ids(prompt) else done.prompt_ids
+    if done.ids_seen and prompt_ids:
+        return [*prompt_ids, *done.ids]
+    if isinstance(prompt, list):
+        return [prompt[0] + done.text] if prompt and isinstance(prompt[0], str) else prompt
+    return f"{prompt}{done.text}"
 
 
 class Splice:

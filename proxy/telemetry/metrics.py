@@ -148,14 +148,19 @@ class LabelChildren:
 class ProxyMetrics:
     """Counters and histograms updated on the request path.
 
-    The per-model figures of completions (``generated``) are summed in plain lists per model and handed to
-    prometheus_client in bulk, at every scrape of ``registry`` and every ``LAG_INTERVAL`` s (with ``--workers``
-    the other workers' figures are that much late): a bisect and a few additions per completion instead of three
-    to five labelled updates, which take a lock each."""
+    What every request adds (its count and durations, its legs' outcomes, its chunks) and the per-model figures
+    of completions (``generated``) are summed in plain dicts and handed to prometheus_client in bulk, at every
+    scrape of ``registry`` and every ``LAG_INTERVAL`` s: a bisect and a few additions per request instead of
+    labelled updates that take a lock each. With ``--workers`` (``immediate``), where another worker's scrape
+    reads the shared files, the request counters are handed over at once; the per-model figures are up to
+    ``LAG_INTERVAL`` s late there."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, immediate: bool = False) -> None:
         self.registry = registry
+        self._immediate = immediate
         self._figures: dict[str, _ModelFigures] = {}
+        self._counts: dict[tuple[Counter, tuple[str, ...]], int] = {}
+        self._durations: dict[tuple[Histogram, tuple[str, ...]], _Batch] = {}
         registry.register(_FlushFirst(self))
         self.requests = Counter(
             "vllm_proxy_requests",
@@ -293,16 +298,33 @@ class ProxyMetrics:
         )
         self._child = LabelChildren()
 
+    def _count(self, counter: Counter, labels: tuple[str, ...], n: int = 1) -> None:
+        key = (counter, labels)
+        self._counts[key] = self._counts.get(key, 0) + n
+
+    def _observe(self, histogram: Histogram, labels: tuple[str, ...], value: float) -> None:
+        key = (histogram, labels)
+        batch = self._durations.get(key)
+        if batch is None:
+            batch = self._durations[key] = _Batch(_LATENCY_BUCKETS)
+        batch.add(value)
+
     def request_done(self, route: str, mode: str, status: int, started: float) -> None:
         """A client request answered (``started``: its ``time.monotonic()``)."""
-        self._child(self.requests, route, mode, str(status)).inc()
-        self._child(self.request_seconds, route, mode).observe(time.monotonic() - started)
+        self._count(self.requests, (route, mode, str(status)))
+        self._observe(self.request_seconds, (route, mode), time.monotonic() - started)
+        if self._immediate:
+            self._flush_requests()
 
     def first_byte(self, route: str, mode: str, started: float) -> float:
         """Returns the time (``time.monotonic()``) it counted."""
         now = time.monotonic()
-        self._child(self.first_byte_seconds, route, mode).observe(now - started)
+        self._observe(self.first_byte_seconds, (route, mode), now - started)
         return now
+
+    def chunks(self, n: int) -> None:
+        """``n`` body chunks relayed to a client."""
+        self._count(self.stream_chunks, (), n)
 
     def generated(
         self,
@@ -331,7 +353,8 @@ class ProxyMetrics:
             figures.generation_tokens += completion_tokens
 
     def flush(self) -> None:
-        """Hand the batched per-model figures to prometheus_client."""
+        """Hand the batched figures to prometheus_client."""
+        self._flush_requests()
         for model, figures in self._figures.items():
             for batch, histogram in (
                 (figures.e2e, self.e2e_seconds),
@@ -346,8 +369,16 @@ class ProxyMetrics:
                 self._child(self.generation_tokens, model).inc(figures.generation_tokens)
             figures.prompt_tokens = figures.generation_tokens = 0
 
+    def _flush_requests(self) -> None:
+        counts, self._counts = self._counts, {}
+        for (counter, labels), n in counts.items():
+            (self._child(counter, *labels) if labels else counter).inc(n)
+        for (histogram, labels), batch in self._durations.items():
+            if batch.pending:  # a child only for what was observed, as observe() makes it
+                batch.flush(self._child(histogram, *labels))
+
     def upstream_outcome(self, role: Role, node_id: str, outcome: str) -> None:
-        self._child(self.upstream, role.value, node_id, outcome).inc()
+        self._count(self.upstream, (role.value, node_id, outcome))
 
     def websocket_opened(self, route: str) -> None:
         self._child(self.websocket_open, route).inc()

@@ -67,24 +67,31 @@ def proxy(logs: Path, node: SimNode, other: SimNode) -> Iterator[ProxyProc]:
 
 
 class Holder:
-    """A long stream that keeps the node's one sequence busy until it ends."""
+    """A long stream (10 s) that keeps the node's one sequence busy until ``release`` ends it: its client leaves,
+    so the replica cancels it on the node (however slowly the machine runs the test meanwhile)."""
 
-    def __init__(self, proxy: ProxyProc, node: SimNode, request_id: str, tokens: int = 1000) -> None:
+    def __init__(self, proxy: ProxyProc, node: SimNode, request_id: str) -> None:
         self.request_id = request_id
-        self.thread = threading.Thread(target=self._run, args=(proxy, tokens))
+        self._released = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(proxy,))
         self.thread.start()
         node.wait_for_request(request_id=request_id, state="running")
 
-    def _run(self, proxy: ProxyProc, tokens: int) -> None:
+    def _run(self, proxy: ProxyProc) -> None:
         with httpx.stream(
             "POST",
             f"{proxy.url}/v1/chat/completions",
-            json=chat(max_tokens=tokens, stream=True),
+            json=chat(max_tokens=1000, stream=True),
             headers={"X-Request-Id": self.request_id},
             timeout=60,
         ) as answer:
             for _ in answer.iter_bytes():
-                pass
+                if self._released.is_set():
+                    return
+
+    def release(self) -> None:
+        self._released.set()
+        self.thread.join(30)
 
 
 def send(proxy: ProxyProc, request_id: str, results: dict[str, int], **extra: object) -> threading.Thread:
@@ -105,13 +112,13 @@ def depth(proxy: ProxyProc) -> float:
 
 def test_a_priority_0_request_overtakes_queued_priority_1_requests(proxy: ProxyProc, node: SimNode) -> None:
     node.clear_requests()
-    holder = Holder(proxy, node, "holder", tokens=150)
+    holder = Holder(proxy, node, "holder")
     results: dict[str, int] = {}
     threads = []
     for index, (request_id, priority) in enumerate((("low-1", 1), ("low-2", 1), ("low-3", 1), ("urgent", 0))):
         threads.append(send(proxy, request_id, results, priority=priority))
         wait_until(lambda n=index + 1: depth(proxy) == n, 10, f"{index + 1} requests queued")
-    holder.thread.join(30)
+    holder.release()
     for thread in threads:
         thread.join(30)
     assert results == {"low-1": 200, "low-2": 200, "low-3": 200, "urgent": 200}
@@ -126,7 +133,7 @@ def test_a_queued_client_that_disconnects_leaves_the_queue_and_never_reaches_the
     proxy: ProxyProc, node: SimNode
 ) -> None:
     node.clear_requests()
-    holder = Holder(proxy, node, "holder-2", tokens=150)
+    holder = Holder(proxy, node, "holder-2")
     body = b'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
     abandoned = metric(proxy, "vllm_proxy_tenant_queue_abandoned_total", tenant="none")
     with socket.create_connection((HOST, proxy.port)) as client:
@@ -138,7 +145,7 @@ def test_a_queued_client_that_disconnects_leaves_the_queue_and_never_reaches_the
     wait_until(lambda: depth(proxy) == 0, 10, "the abandoned request left the queue")
     assert metric(proxy, "vllm_proxy_tenant_queue_abandoned_total", tenant="none") == abandoned + 1
     assert holder.thread.is_alive()  # it left while the node was still full
-    holder.thread.join(30)
+    holder.release()
     results: dict[str, int] = {}
     send(proxy, "after", results).join(30)
     assert results == {"after": 200}
@@ -146,12 +153,12 @@ def test_a_queued_client_that_disconnects_leaves_the_queue_and_never_reaches_the
 
 
 def test_a_model_whose_nodes_have_room_is_never_queued(proxy: ProxyProc, node: SimNode) -> None:
-    holder = Holder(proxy, node, "holder-3", tokens=150)
+    holder = Holder(proxy, node, "holder-3")
     answer = proxy.post("/v1/chat/completions", json=chat(OTHER))
     assert answer.status_code == 200
     assert holder.thread.is_alive()  # answered while the other model's node was full
     assert metric(proxy, "vllm_proxy_queue_depth", model=OTHER) == 0
-    holder.thread.join(30)
+    holder.release()
 
 
 def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503_with_retry_after(
@@ -159,12 +166,12 @@ def test_a_request_that_waits_longer_than_the_queue_timeout_gets_503_with_retry_
 ) -> None:
     short = replica(logs, node, other, "0.5", "impatient-proxy")
     try:
-        holder = Holder(short, node, "holder-4", tokens=200)
+        holder = Holder(short, node, "holder-4")
         answer = short.post("/v1/chat/completions", json=chat())
         assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
         assert answer.json()["error"]["code"] == "queue_timeout"
         assert metric(short, "vllm_proxy_tenant_rejections_total", tenant="none", limit="queue_timeout") == 1
-        holder.thread.join(30)
+        holder.release()
     finally:
         short.stop()
 
@@ -192,7 +199,7 @@ def test_a_node_whose_scraped_queue_is_at_the_threshold_is_full_until_a_scrape_s
             (worker,) = [w for w in watcher.workers() if w["id"] == node.host_port]
             return int((worker["node_load"] or {}).get("waiting", -1))
 
-        holder = Holder(watcher, node, "holder-5", tokens=150)
+        holder = Holder(watcher, node, "holder-5")
         results: dict[str, int] = {}
         second = send(watcher, "second", results)  # the node's queue has room for one: it goes there
         node.wait_for_request(request_id="second", state="waiting")
@@ -200,7 +207,8 @@ def test_a_node_whose_scraped_queue_is_at_the_threshold_is_full_until_a_scrape_s
         third = send(watcher, "third", results)  # now the node counts as full: it waits in the replica
         wait_until(lambda: metric(watcher, "vllm_proxy_queue_depth", model=MODEL) == 1, 10, "third queued")
         assert not any(r["request_id"] == "third" for r in node.requests())
-        for thread in (holder.thread, second, third):
+        holder.release()
+        for thread in (second, third):
             thread.join(30)
         assert results == {"second": 200, "third": 200}
         assert metric(watcher, "vllm_proxy_queue_depth", model=MODEL) == 0

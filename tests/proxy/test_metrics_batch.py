@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.telemetry.metrics import _ITL_BUCKETS, _TTFT_BUCKETS, ProxyMetrics, _Batch
 
 
@@ -69,3 +70,30 @@ def test_a_scrape_shows_every_completion_recorded_before_it() -> None:
     # The next scrape adds only what came since.
     metrics.generated("m", started, started + 0.5, True, 11, 7, 10)
     assert _samples(registry, "vllm_proxy_prompt_tokens")[("vllm_proxy_prompt_tokens_total", (("model", "m"),))] == 28
+
+
+def test_a_scrape_shows_every_request_leg_and_chunk_counted_before_it() -> None:
+    registry = CollectorRegistry(auto_describe=True)
+    metrics = ProxyMetrics(registry)
+    started = time.monotonic() - 0.2
+    for status in (200, 200, 503):
+        metrics.request_done("/v1/completions", "mixed", status, started)
+    metrics.first_byte("/v1/completions", "mixed", started)
+    metrics.upstream_outcome(Role.MIXED, "n1", "ok")
+    metrics.chunks(5)
+    metrics.chunks(2)
+    requests = _samples(registry, "vllm_proxy_requests")
+    labels = (("mode", "mixed"), ("route", "/v1/completions"))
+    assert requests[("vllm_proxy_requests_total", (*labels, ("status", "200")))] == 2
+    assert requests[("vllm_proxy_requests_total", (*labels, ("status", "503")))] == 1
+    durations = _samples(registry, "vllm_proxy_request_duration_seconds")
+    assert durations[("vllm_proxy_request_duration_seconds_count", labels)] == 3
+    assert durations[("vllm_proxy_request_duration_seconds_sum", labels)] == pytest.approx(0.6, abs=0.1)
+    first = _samples(registry, "vllm_proxy_time_to_first_byte_seconds")
+    assert first[("vllm_proxy_time_to_first_byte_seconds_count", labels)] == 1
+    upstream = _samples(registry, "vllm_proxy_upstream_requests")
+    node = (("node", "n1"), ("outcome", "ok"), ("role", "mixed"))
+    assert upstream[("vllm_proxy_upstream_requests_total", node)] == 1
+    assert _samples(registry, "vllm_proxy_stream_chunks")[("vllm_proxy_stream_chunks_total", ())] == 7
+    metrics.chunks(1)  # a second scrape adds only what came since the first
+    assert _samples(registry, "vllm_proxy_stream_chunks")[("vllm_proxy_stream_chunks_total", ())] == 8

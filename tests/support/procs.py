@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.procs import free_port as bench_free_port
+
 HOST = "127.0.0.1"
 
 
@@ -24,16 +26,15 @@ _ports_lock = threading.Lock()
 
 
 def free_port() -> int:
-    """A loopback port that is free now and was never handed out before in this test process.
+    """A loopback port that is free now and was never handed out before in this test process, drawn below the
+    kernel's ephemeral range (``bench.procs.free_port``: outgoing connections take their ports from that range).
 
-    Binding port 0 and closing the socket can return the same number twice before either process binds it;
-    remembering what was handed out makes a dozen processes started at once get distinct ports.
+    Two draws can give the same number before either process binds it; remembering what was handed out makes a
+    dozen processes started at once get distinct ports.
     """
     with _ports_lock:
         while True:
-            with socket.socket() as sock:
-                sock.bind((HOST, 0))
-                port = int(sock.getsockname()[1])
+            port = bench_free_port()
             if port not in _given_ports:
                 _given_ports.add(port)
                 return port
