@@ -9,10 +9,10 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
-from vllm_etcd_proxy.proxy.discovery.kvsub import LAG_BUCKETS
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+from vllm_etcd_proxy.proxy.kvcache.nodes import KvSubscribers
+from vllm_etcd_proxy.proxy.kvcache.subscription import LAG_BUCKETS
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
 
 REASONS = ("cached_prefix", "load", "fallback")
 

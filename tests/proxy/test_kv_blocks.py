@@ -1,4 +1,4 @@
-"""The index's packed maps (routing/kvblocks.py) answer as dicts would, whatever the order of stores
+"""The index's packed maps (kvcache/blocks.py) answer as dicts would, whatever the order of stores
 and removals, including hashes that crowd the same slots and runs that wrap around the table's end."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_etcd_proxy.proxy.routing.kvblocks import SPLIT_AT, BlockMap, Holders
+from vllm_etcd_proxy.proxy.kvcache.blocks import SPLIT_AT, BlockMap, Holders
 
 # Small hashes share their home slots (and the runs reach the end of the table and wrap); large ones spread.
 HASHES = st.integers(0, 40) | st.integers(0, (1 << 60) - 1) | st.sampled_from([15, 31, 47, 63, 1 << 40, (1 << 40) + 15])

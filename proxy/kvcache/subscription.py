@@ -1,9 +1,9 @@
-"""One node's KV-cache event subscription: its sockets, its sequence and what follows from it (kvreader.py reads
+"""One node's KV-cache event subscription: its sockets, its sequence and what follows from it (reader.py reads
 every node's in one thread).
 
-Frames come in order (kvwire.py) and their events go to the index. ``seq`` counts the node's batches: a jump
+Frames come in order (wire.py) and their events go to the index. ``seq`` counts the node's batches: a jump
 forward is a gap, filled from the node's replay socket (a DEALER asks ``[b"", start]`` and reads batches until
-seq -1, kvreplay.py); a gap that cannot be filled means the view of that node can no longer be trusted, so its
+seq -1, replay.py); a gap that cannot be filled means the view of that node can no longer be trusted, so its
 entries are dropped and it starts afresh. ``seq`` going backwards (outside a range just replayed) means the node
 restarted with an empty cache: its entries are dropped too. A malformed frame is counted, logged once per node,
 and skipped. A subscriber that joins a node that has been publishing asks for the node's whole replay buffer
@@ -33,9 +33,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from vllm_etcd_proxy.proxy.discovery.kvreplay import replay, same_process
-from vllm_etcd_proxy.proxy.discovery.kvwire import Event, Malformed, read_batch, read_seq
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.kvcache.replay import replay, same_process
+from vllm_etcd_proxy.proxy.kvcache.wire import Event, Malformed, read_batch, read_seq
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class KvSink(Protocol):
-    """What the subscribers feed: the index (routing/kvindex.py)."""
+    """What the subscribers feed: the index (index.py)."""
 
     def apply(self, name: str, events: Iterable[Event]) -> None: ...
 
@@ -118,7 +118,7 @@ class Subscriber:
         self._batches_seen = 0
         self._quiet_windows = 0
         self.sockets: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
-        """(events, monitor) while open, read without futures (kvreader.py polls their descriptors)."""
+        """(events, monitor) while open, read without futures (reader.py polls their descriptors)."""
         self._owned: tuple[zmq.asyncio.Socket, zmq.asyncio.Socket] | None = None
         self.fds: tuple[int, ...] = ()
         """The sockets' descriptors, while the reader polls them."""

@@ -12,8 +12,8 @@ event loop of its own reads them all:
 - it reads for ``SLICE`` seconds at most before sleeping for a moment, so the request path, which needs the
   interpreter's lock too, never waits long for it (a thread holding the lock gives it up only at a blocking call
   or, when another thread has asked for 5 ms, at the interpreter's switch interval);
-- replays (kvreplay.py) run as tasks of that loop, one node at a time each, while the others are read on.
-The index is changed from this thread under its lock (kvindex.py); nodes are added and removed from the request
+- replays (replay.py) run as tasks of that loop, one node at a time each, while the others are read on.
+The index is changed from this thread under its lock (index.py); nodes are added and removed from the request
 path's loop through ``add`` and ``remove``.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from vllm_etcd_proxy.proxy.discovery.kvsub import SILENT_CHECK, KvSink, KvStats, Pending, Subscriber
+from vllm_etcd_proxy.proxy.kvcache.subscription import SILENT_CHECK, KvSink, KvStats, Pending, Subscriber
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ growing on its own: growing copies a table in Python (~0.25 us an entry), and on
 would hold the ingest for a quarter of a second.
 
 Each store or removal is ~0.5-1 us of Python where a dict's was ~0.1-0.2; routing's lookups read ``Holders``
-(kvindex.py walks its words itself, to save a call per key). Engine hashes are below 2^60 (kvwire.py folds them),
-stored plus one so that 0 means empty; keys below 2^48 (kvindex.py folds them).
+(index.py walks its words itself, to save a call per key). Engine hashes are below 2^60 (wire.py folds them),
+stored plus one so that 0 means empty; keys below 2^48 (index.py folds them).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The kv-aware policy: the node holding the longest cached prefix of the request, weighed against load.
 
-- Nodes whose KV events this replica follows (tracked: connected, not silent; discovery/kvsub.py) are judged by
+- Nodes whose KV events this replica follows (tracked: connected, not silent; kvcache/subscription.py) are judged by
   the index. When a node that is not overloaded (load, ``node_load``: the node's own running and waiting, or
   this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
   holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
   turn of a conversation stays where its cache is. When several nodes hold that longest prefix, it is a
   preamble that conversations share, and the request is a new conversation, placed as below; so is a prompt
   that goes on past its node's prefix from inside one of the node's chains (a document another conversation
-  began with), where a next turn goes on from a chain's last block (kvconversations.py tells them apart).
+  began with), where a next turn goes on from a chain's last block (kvcache/conversations.py tells them apart).
 - Otherwise (a new conversation, which at most shares a preamble with others) the node serving the fewest
-  conversations wins (as its events show them, kvconversations.py, plus those this replica sent it that its
+  conversations wins (as its events show them, kvcache/conversations.py, plus those this replica sent it that its
   events do not show yet; divided by its speed weight, so a slow node takes fewer), then the least loaded, ties
   broken by a hash of the request's affinity key and the node (reason ``load``). Every replica counts the same
   conversations from the same events within milliseconds, where loads are scraped a fraction of a second
@@ -32,9 +32,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
 from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _mix, _stable_hash, _untried, node_load, speed_weights
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 
 REMEMBER = 5.0
 """Seconds a routing decision counts as the node holding the prompt's blocks (its events confirm it sooner)."""

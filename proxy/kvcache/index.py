@@ -10,8 +10,8 @@ prompt is read the same way (``chain``), and its longest cached prefix on a node
 node holds.
 
 For each key the index keeps the nodes holding it: a node's slot number while one node does (the common case) or
-a bit mask of slots, packed with the key in one word (kvblocks.py ``Holders``). For each node it keeps its own
-hashes -> our keys (kvblocks.py ``BlockMap``), as a ``BlockRemoved`` names blocks by the node's hashes only. A
+a bit mask of slots, packed with the key in one word (blocks.py ``Holders``). For each node it keeps its own
+hashes -> our keys (blocks.py ``BlockMap``), as a ``BlockRemoved`` names blocks by the node's hashes only. A
 block whose parent the node never announced (an event missed before this replica subscribed) cannot be keyed
 and is counted as an orphan. Each node holds at most ``MAX_BLOCKS`` blocks here (a real node's cache is
 smaller); memory per block: bench/README.md.
@@ -29,14 +29,14 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Event, Removed, Stored
-from vllm_etcd_proxy.proxy.routing.kvblocks import KEY_BITS, MAX_SLOTS, SHARED, BlockMap, Holders
-from vllm_etcd_proxy.proxy.routing.kvconversations import Conversations
+from vllm_etcd_proxy.proxy.kvcache.blocks import KEY_BITS, MAX_SLOTS, SHARED, BlockMap, Holders
+from vllm_etcd_proxy.proxy.kvcache.conversations import Conversations
+from vllm_etcd_proxy.proxy.kvcache.wire import Cleared, Event, Removed, Stored
 
 MAX_BLOCKS = 1_000_000
 """Blocks indexed per node at most: 16M tokens at block size 16; stores beyond are counted and left out."""
 _MASK = (1 << KEY_BITS) - 1
-"""Keys fit 48 bits: with the holder's 16, one packed word (kvblocks.py)."""
+"""Keys fit 48 bits: with the holder's 16, one packed word (blocks.py)."""
 
 
 def chain(ids: Sequence[int], block_size: int, lora: str = "", blocks: int | None = None, salt: str = "") -> list[int]:
@@ -71,9 +71,9 @@ class NodeBlocks:
     over: int = 0
     """Stored blocks left out: the node had ``MAX_BLOCKS`` already."""
     version: int = 0
-    """Batches of events applied: what a routing decision's memory is checked against (kvchoice.py)."""
+    """Batches of events applied: what a routing decision's memory is checked against (routing/kv_aware.py)."""
     conversations: Conversations = field(default_factory=Conversations)
-    """The conversations it serves, by the shape of its stores (kvconversations.py)."""
+    """The conversations it serves, by the shape of its stores (conversations.py)."""
 
 
 class KvIndex:

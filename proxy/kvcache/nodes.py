@@ -1,6 +1,6 @@
 """The replica's KV-event subscribers: one per pool entry whose node names a ``kv_events`` endpoint, started,
 restarted (its endpoints changed) and stopped as the pool's nodes come and go (``Pool.on_node``/``on_drop``).
-One thread reads them all (kvreader.py); nothing here walks all nodes but ``start`` (once)."""
+One thread reads them all (reader.py); nothing here walks all nodes but ``start`` (once)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import logging
 import time
 from typing import Any
 
-from vllm_etcd_proxy.proxy.discovery.kvreader import KvReader
-from vllm_etcd_proxy.proxy.discovery.kvreplay import REPLAY_TIMEOUT
-from vllm_etcd_proxy.proxy.discovery.kvsub import KvSink, KvStats, Subscriber
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
+from vllm_etcd_proxy.proxy.kvcache.reader import KvReader
+from vllm_etcd_proxy.proxy.kvcache.replay import REPLAY_TIMEOUT
+from vllm_etcd_proxy.proxy.kvcache.subscription import KvSink, KvStats, Subscriber
 
 log = logging.getLogger(__name__)
 

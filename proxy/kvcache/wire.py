@@ -1,4 +1,4 @@
-"""vLLM's KV-cache event frames, read leniently: what the subscriber (kvsub.py) hands to the index.
+"""vLLM's KV-cache event frames, read leniently: what the subscriber (subscription.py) hands to the index.
 
 A frame is ``[topic, seq (8 bytes, big-endian), payload]``; the payload a msgpack ``EventBatch``, an array
 ``[ts, events, data_parallel_rank]`` or a map with those names. Each event is a map tagged by ``type`` (vLLM
