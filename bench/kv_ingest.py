@@ -1,7 +1,7 @@
 """KV-event ingest at fleet scale: one replica subscribed to many publishers while requests route on its index.
 
     python -m bench.kv_ingest [--publishers 200] [--rate 50] [--seconds 20] [--rounds 2] [--baseline DIR]
-                              [--quick] [--json]
+                              [--repeat N] [--pin] [--profile DIR] [--quick] [--json]
 
 ``--publishers`` simulated nodes (bench/kv_fleet.py, in processes apart from the replica, ``--per-process`` each)
 publish vLLM 0.32's exact frames, ``--rate`` batches a second each of 1-8 blocks (and, once a node holds
@@ -19,7 +19,8 @@ Each round is a quiet phase (no events flowing) and a flowing phase of ``--secon
 - after the rounds, every node's batches applied, gaps, replays, malformed frames, blocks indexed and orphans
   against what its publisher sent and holds: "lost" and "misread" must be 0.
 ``--baseline DIR`` runs the same rounds first with the replica's code taken from DIR (a checkout, e.g. ``git
-worktree add /tmp/base main``; this interpreter, ``PYTHONPATH=DIR``), so before and after come from one run.
+worktree add /tmp/base main``; this interpreter, ``PYTHONPATH=DIR``), so before and after come from one run;
+``--repeat N`` runs them N times in turn. ``--pin``: the replica on CPU 0, the rest on CPU 1.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--requests-per-second", type=float, default=40.0, help="requests through the replica, one at a time (40)")
     add("--sample-every", type=float, default=1.0, help="seconds between /list_workers samples (1)")
     add("--baseline", type=Path, help="also run the replica from this checkout first (the code before)")
-    add("--variant", action="append", default=[], help="NAME=ENV=VALUE: also run this checkout with that environment")
     add("--pin", action="store_true", help="the replica on CPU 0, the simulated fleet and this process on CPU 1")
     add("--repeat", type=int, default=1, help="run the replicas (before, after, ...) this many times, in turn (1)")
     add("--profile", type=Path, help="py-spy the replica through each first flowing phase, into this directory")
@@ -263,12 +263,12 @@ def workers(client: httpx.Client) -> list[dict[str, Any]]:
     return found
 
 
-def start_replica(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, extra: dict[str, str]) -> Server:
+def start_replica(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None) -> Server:
     pool = ["--mixed", *(sim.address(i) for i in range(len(sim.nodes)))]
     argv = [*pool, "--kv-events", *sim.kv_flags(), "--model", MODEL, "--scrape-load", "0", "--log-level", "warning"]
     # PYTHONSAFEPATH: ``python -m`` would put the current directory (this checkout) before PYTHONPATH.
     before = {} if baseline is None else {"PYTHONPATH": str(baseline), "PYTHONSAFEPATH": "1"}
-    env = {**os.environ, **extra, **before}
+    env = {**os.environ, **before}
     replica = fleet.start(name, "vllm_etcd_proxy.proxy", argv, "/health", env=env)
     replica.wait_ready("/health", 60.0)
     return replica
@@ -391,10 +391,8 @@ def integrity(found: list[dict[str, Any]], published: dict[int, Any], sim: SimFl
     return totals
 
 
-def measure(
-    fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, args: argparse.Namespace, extra: dict[str, str]
-) -> Any:
-    replica = start_replica(fleet, sim, name, baseline, extra)
+def measure(fleet: Fleet, sim: SimFleet, name: str, baseline: Path | None, args: argparse.Namespace) -> Any:
+    replica = start_replica(fleet, sim, name, baseline)
     if args.pin:
         replica.pin({0})
         for child in sim.children:
@@ -463,23 +461,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     pids: dict[str, int] = {}
     with Fleet(keep_logs=args.logs) as fleet:
-        variants: list[tuple[str, Path | None, dict[str, str]]] = (
-            [("before", args.baseline, {})] if args.baseline else []
-        )
-        variants.append(("after", None, {}))
-        for spec in args.variant:
-            name, env, value = spec.split("=", 2)
-            variants.append((name, None, {env: value}))
-        runs = (
-            variants
-            if args.repeat == 1
-            else [(f"{n}-{i + 1}", b, e) for i in range(args.repeat) for n, b, e in variants]
-        )
-        for name, baseline, extra in runs:
+        variants: list[tuple[str, Path | None]] = [("before", args.baseline)] if args.baseline else []
+        variants.append(("after", None))
+        runs = variants if args.repeat == 1 else [(f"{n}-{i + 1}", b) for i in range(args.repeat) for n, b in variants]
+        for name, baseline in runs:
             # Publishers of its own for each replica: each gets the probes by replay, as the first one did.
             sim = SimFleet(fleet, args, name)
             try:
-                report["replicas"][name] = measure(fleet, sim, f"replica-{name}", baseline, args, extra)
+                report["replicas"][name] = measure(fleet, sim, f"replica-{name}", baseline, args)
             except NotFollowed as exc:
                 report["replicas"][name] = {"error": str(exc)}
             finally:
