@@ -1,8 +1,8 @@
-"""What turning a chat into token ids costs a replica (proxy/routing/tokens.py, prefix_ids.py): CPU per request
+"""What turning a chat into token ids costs a replica (proxy/kvcache/prompt/tokens.py, prefix_ids.py): CPU per request
 in the cases a replica meets all day.
 
 - **new, nothing shared**: a conversation's first turn whose start no node holds (every conversation has a
-  system preamble of its own), for which routing asks only for its first ``kvchoice.HEAD_TOKENS`` ids;
+  system preamble of its own), for which routing asks only for its first ``kv_aware.HEAD_TOKENS`` ids;
 - **new, shared start**: a first turn that shares all but its first user message (``--first-words``) with
   conversations tokenized before (one system preamble for all): routing asks for all its ids;
 - **next turn**: turns 2+ of those conversations (the previous turn plus an answer and a user message);
@@ -39,10 +39,10 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from vllm_etcd_proxy.proxy.routing.kvchoice import HEAD_TOKENS
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
-from vllm_etcd_proxy.proxy.routing.prefix_ids import ChatIds
-from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import ChatIds
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.routing.kv_aware import HEAD_TOKENS
 from vllm_etcd_proxy.sim import tokens, vocab
 
 CHATML = (
@@ -229,7 +229,7 @@ def measure(source: Path, own: list[list[Body]], shared: list[list[Body]]) -> di
         }
         for case, rows in samples.items()
     }
-    # What the index's block keys of the last prompt cost (kvindex.chain, block 16): not counted above.
+    # What the index's block keys of the last prompt cost (kvcache.index.chain, block 16): not counted above.
     last = whole(source, workload[-1:])[0][1]
     report["keys_us"] = p50([cpu_of(lambda: KvPrompt(last, "m").keys(16))[0] for _ in range(5)])
     report["keys_tokens"] = len(last)

@@ -28,12 +28,14 @@ from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, 
 from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
-from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
 from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.prober import ModelProber
 from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.nodes import KvSubscribers
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.hangup import Hangup
@@ -52,9 +54,7 @@ from vllm_etcd_proxy.proxy.routing.balancer import (
     Policy,
     make_policy,
 )
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvAware, KvRouting
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.flows import Flows

@@ -78,7 +78,8 @@ class ProxySettings:
     """A disaggregated model's request whose prompt has fewer new (uncached) tokens than this skips the prefill
     leg and goes straight to a decode node; 0 never skips."""
     tokenizers: tuple[tuple[str, str], ...]
-    """(model, tokenizer directory or hub id) from --tokenizer: the token ids routing reads (routing/tokens.py)."""
+    """(model, tokenizer directory or hub id) from --tokenizer: the token ids routing reads
+    (kvcache/prompt/tokens.py)."""
     scrape_load: float
     """Seconds between scrapes of each node's /metrics queue for the load-aware policies; 0 = off."""
     max_resumes: int

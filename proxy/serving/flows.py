@@ -22,7 +22,7 @@ from typing import Protocol
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import DisaggregatedFlow
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream

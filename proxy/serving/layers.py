@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from vllm_etcd_proxy.proxy.errors import ClientLeft, NodeAdminRefused, ProxyError
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import PromptIds, read_prompt
 from vllm_etcd_proxy.proxy.routing.affinity import PrefixIndex, route_hints
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
-from vllm_etcd_proxy.proxy.routing.kvroute import PromptIds, read_prompt
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
 from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forms import request_model
 from vllm_etcd_proxy.proxy.serving.forwarder import header_lines

@@ -10,13 +10,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from vllm_etcd_proxy.fleet.records import Node, Role
-from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Malformed, Removed, Stored, read_batch, read_seq
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.kvchoice import HEAD_TOKENS, KvAware, KvRouting
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, token_id_prompt
-from vllm_etcd_proxy.proxy.routing.prefix_ids import SOFT_CUT
-from vllm_etcd_proxy.proxy.routing.tokens import CHECKED_SPLITS, PromptTokens
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt, token_id_prompt
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import SOFT_CUT
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import CHECKED_SPLITS, PromptTokens
+from vllm_etcd_proxy.proxy.kvcache.wire import Cleared, Malformed, Removed, Stored, read_batch, read_seq
+from vllm_etcd_proxy.proxy.routing.kv_aware import HEAD_TOKENS, KvAware, KvRouting
 from vllm_etcd_proxy.sim import vocab
 
 BS = 4

@@ -11,9 +11,9 @@ import httpx
 from tests.support.procs import HOST, free_port, wait_until
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
-from vllm_etcd_proxy.proxy.routing.kvchoice import HEAD_TOKENS
-from vllm_etcd_proxy.proxy.routing.prefix_ids import SOFT_CUT
-from vllm_etcd_proxy.proxy.routing.tokens import CHECKED_SPLITS
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import SOFT_CUT
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import CHECKED_SPLITS
+from vllm_etcd_proxy.proxy.routing.kv_aware import HEAD_TOKENS
 from vllm_etcd_proxy.sim import vocab
 
 BS = 4

@@ -1,4 +1,4 @@
-"""Chats worked out in pieces (proxy/routing/prefix_ids.py): on the simulator's WordPiece, a byte-level BPE,
+"""Chats worked out in pieces (proxy/kvcache/prompt/prefix_ids.py): on the simulator's WordPiece, a byte-level BPE,
 Qwen3's own tokenizer and template, and a tokenizer that marks the start of every text, the ids in pieces --
 whole or only the first ones, from the cache or not -- are the ids of the rendered chat tokenized whole (what
 vLLM computes), while a replica tokenizes only what no earlier prompt began with."""
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from tests.support.tokenizers import every_kind, qwen3
-from vllm_etcd_proxy.proxy.routing import prefix_ids
-from vllm_etcd_proxy.proxy.routing.prefix_ids import ChatIds
-from vllm_etcd_proxy.proxy.routing.tokens import CHECKED_SPLITS, PromptTokens
+from vllm_etcd_proxy.proxy.kvcache.prompt import prefix_ids
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import ChatIds
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import CHECKED_SPLITS, PromptTokens
 from vllm_etcd_proxy.sim import vocab
 
 FRAGMENTS = [

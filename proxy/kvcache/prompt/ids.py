@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-from vllm_etcd_proxy.proxy.routing.kvindex import chain
+from vllm_etcd_proxy.proxy.kvcache.index import chain
 
 Kind = Literal["completion", "chat", "generate"]
 

@@ -36,9 +36,9 @@ from tokenizers import Tokenizer
 
 from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.state import NodeState
-from vllm_etcd_proxy.proxy.routing.chat_template import ChatTemplate, Unsupported
-from vllm_etcd_proxy.proxy.routing.kvroute import TokenIds
-from vllm_etcd_proxy.proxy.routing.prefix_ids import CACHE_TOKENS, ChatIds, PrefixIds, Splitter
+from vllm_etcd_proxy.proxy.kvcache.prompt.chat_template import ChatTemplate, Unsupported
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import TokenIds
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import CACHE_TOKENS, ChatIds, PrefixIds, Splitter
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class PromptTokens:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def ids(self, model: str, body: Mapping[str, Any], kind: str) -> Sequence[int] | TokenIds | None:
-        """The request's ids (a ``kvroute.PromptIds``)."""
+        """The request's ids (a ``ids.PromptIds``)."""
         outcome, ids = self._ids(model, body, kind)
         self._outcomes.labels(outcome).inc()
         return ids

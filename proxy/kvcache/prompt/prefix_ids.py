@@ -9,9 +9,9 @@ keeps those that hold (neither: chats are tokenized whole). A rendered chat is c
 in a longer run of text, at the first word start past every ``SOFT_CUT`` characters.
 
 ``ChatIds`` works a rendered chat out piece by piece, only as far as the router asks (when no node holds the
-start of a prompt, the rest of it cannot be a hit, kvchoice.py). ``PrefixIds`` keeps the pieces it tokenizes as a
-tree: each piece with its text, its ids and the pieces that came after it in some prompt. A later prompt that
-begins with the same text -- the next turn, or another conversation with the same preamble, tool list or
+start of a prompt, the rest of it cannot be a hit, routing/kv_aware.py). ``PrefixIds`` keeps the pieces it
+tokenizes as a tree: each piece with its text, its ids and the pieces that came after it in some prompt. A later
+prompt that begins with the same text -- the next turn, or another conversation with the same preamble, tool list or
 document -- walks down the tree comparing text (which runs at memory speed: the cached part of a prompt is
 neither searched for cuts nor hashed) and tokenizes only what follows. Tokenizing in pieces is cheaper even when
 nothing is reused: the tokenizers library's cost per token grows with the length of the text it is given
