@@ -21,10 +21,11 @@ import math
 import time
 from collections.abc import Callable
 
+import orjson
 from starlette.types import Message, Receive
 
 from vllm_etcd_proxy.fleet.records import Role
-from vllm_etcd_proxy.proxy.discovery.claims import CLAIM_TTL, Claims
+from vllm_etcd_proxy.proxy.discovery.claims import CLAIM_TTL, Claim, Claims
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ClientLeft, NoNodeAvailable, WakeTimeout
 from vllm_etcd_proxy.proxy.routing.balancer import _stable_hash
@@ -58,7 +59,7 @@ class WakeOnDemand:
         self._pool, self._waker, self._claims, self._metrics = pool, waker, claims, metrics
         self._timeout = timeout
         self._base_of = base_of
-        self._me = me.encode()
+        self._me = me
         self._waiting: dict[str, int] = {}
         self._changed: dict[str, asyncio.Event] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -161,6 +162,13 @@ class WakeOnDemand:
                     self._fire(model)
 
     def _claim_changed(self, model: str, value: bytes | None) -> None:
+        """A ``wake/`` claim was taken, published or released: a node its holder woke is awake here too (the
+        nodes it has no mark for would otherwise wait for their next scrape)."""
+        node_id = _woken(value)
+        if node_id is not None:
+            for state in self._pool.sleeping(model):
+                if state.node.node_id == node_id:
+                    self._pool.set_asleep(state, False)
         if model in self._waiting:
             self._fire(model)
 
@@ -182,7 +190,7 @@ class WakeOnDemand:
     async def _wake_model(self, model: str) -> None:
         """While requests wait and no node is awake: wake one (holding the claim), or wait for whoever holds it."""
         while model in self._waiting and not self._awake(model):
-            claim = await self._claims.take(f"wake/{model}", self._me)
+            claim = await self._claims.take(f"wake/{model}", orjson.dumps({"by": self._me}))
             if claim is None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._event(model).wait(), CLAIM_TTL)
@@ -190,16 +198,17 @@ class WakeOnDemand:
             try:
                 if self._awake(model):
                     return  # woken by the replica that held the claim before us
-                if not await self._wake_one(model):
+                if not await self._wake_one(model, claim):
                     self._hopeless[model] = time.monotonic() + HOPELESS_HOLD
                     log.warning("no sleeping node of model=%s could be woken", model)
                     return
             finally:
                 await claim.release()
 
-    async def _wake_one(self, model: str) -> bool:
+    async def _wake_one(self, model: str, claim: Claim) -> bool:
         for state in self._sleepers(model):
             if woke(await self._waker.wake(state, reason="demand")):
+                await claim.publish(orjson.dumps({"by": self._me, "woke": state.node.node_id}))
                 self._fire(model)  # its waiters go on now (the pool may not have told of the node yet)
                 if state.node.role is Role.DECODE:
                     await self._wake_prefill(model)
@@ -227,3 +236,12 @@ async def _first(changed: asyncio.Event, left: asyncio.Future[Message]) -> None:
         await asyncio.wait((waiter, left), return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
+
+
+def _woken(value: bytes | None) -> str | None:
+    """The node a ``wake/`` claim's holder says it woke, if it says so."""
+    try:
+        node_id = orjson.loads(value).get("woke") if value else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return node_id if isinstance(node_id, str) else None
