@@ -225,9 +225,13 @@ class Replica:
         )
         pool.on_node(self.prompt_tokens.node_seen)
         self.adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them
-        self.loader = AdapterLoader(pool, self.adapters, self.client, metrics, self.backend_auth)
-        # Claims (one replica does a piece of work for the fleet) and vLLM's sleep mode across the fleet.
+        # Claims (one replica does a piece of work for the fleet: a wake, an adapter's load).
         self.claims: Claims = EtcdClaims(self.etcd, self.layout) if self.etcd is not None else LocalClaims()
+        me = replica_id()
+        self.loader = AdapterLoader(
+            pool, self.adapters, self.client, metrics, self.backend_auth, claims=self.claims, me=me
+        )
+        # vLLM's sleep mode across the fleet.
         self.sleep = build_sleep(
             settings,
             pool,
@@ -237,7 +241,7 @@ class Replica:
             registry,
             headers=self.backend_auth,
             base_of=self._base_of,
-            me=replica_id(),
+            me=me,
         )
         self.forwarder = Forwarder(
             transport or self.http, pool, self.policies, settings, metrics, self.ejector, narrow=self.loader.narrow
