@@ -222,24 +222,30 @@ class AdapterLoader:
         """Load ``adapter`` on ``state`` under the fleet's claim of its load; when another replica holds the claim,
         wait for it to say where the adapter is instead (``LoadFailed`` if it gave up)."""
         name = f"load/{roles[0].value}/{adapter.name}"
-        waiting = self._elsewhere.setdefault(name, asyncio.Event())
-        claim = await self._claims.take(name, orjson.dumps({"by": self._me}))
-        if claim is None:
-            try:
-                await asyncio.wait_for(waiting.wait(), LOAD_TIMEOUT.read)
-            except TimeoutError:
-                raise LoadFailed(f"another replica's load of {adapter.name!r} did not finish") from None
-            finally:
-                self._elsewhere.pop(name, None)
-            if not self._have(adapter.name, roles):
-                raise LoadFailed(f"another replica's load of {adapter.name!r} did not succeed")
-            return
+        # Listened for before the claim is asked for: the holder may publish and release in between.
+        waiting = self._elsewhere[name] = asyncio.Event()
         try:
-            if not self._have(adapter.name, roles):  # another replica's load ended just before our claim
-                await self._load(state, adapter)
-                await claim.publish(orjson.dumps({"by": self._me, "loaded": state.node.node_id}))
+            claim = await self._claims.take(name, orjson.dumps({"by": self._me}))
+            if claim is None:
+                await self._loaded_elsewhere(waiting, adapter, roles)
+                return
+            try:
+                if not self._have(adapter.name, roles):  # another replica's load ended just before our claim
+                    await self._load(state, adapter)
+                    await claim.publish(orjson.dumps({"by": self._me, "loaded": state.node.node_id}))
+            finally:
+                await claim.release()
         finally:
-            await claim.release()
+            if self._elsewhere.get(name) is waiting:
+                del self._elsewhere[name]
+
+    async def _loaded_elsewhere(self, waiting: asyncio.Event, adapter: Adapter, roles: tuple[Role, ...]) -> None:
+        try:
+            await asyncio.wait_for(waiting.wait(), LOAD_TIMEOUT.read)
+        except TimeoutError:
+            raise LoadFailed(f"another replica's load of {adapter.name!r} did not finish") from None
+        if not self._have(adapter.name, roles):
+            raise LoadFailed(f"another replica's load of {adapter.name!r} did not succeed")
 
     def _claim_changed(self, what: str, value: bytes | None) -> None:
         """Another replica's load claim (``role/adapter``) said where the adapter now is, or went."""
