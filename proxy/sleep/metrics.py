@@ -35,7 +35,8 @@ class SleepMetrics:
         self.waited = Counter(
             "vllm_proxy_wake_waits",
             "Requests that waited for a node of their model to wake, by model and outcome (served: a node woke; "
-            "timeout: 503 after --wake-timeout; failed: no node could be woken; left: the client went away).",
+            "timeout: 503 after --wake-timeout; failed: no node could be woken; left: the client went away; "
+            "full: 503 at once, too many waited).",
             ["model", "outcome"],
             registry=registry,
         )

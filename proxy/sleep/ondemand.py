@@ -40,6 +40,8 @@ FAILED_HOLD = 30.0
 """Seconds a node that failed to wake is not tried again by this replica."""
 HOPELESS_HOLD = 5.0
 """Seconds requests for a model none of whose nodes could be woken get 503 at once."""
+MAX_WAITING = 1024
+"""Requests of one model that may wait for its wake in a replica; more get 503 at once."""
 
 
 class WakeOnDemand:
@@ -94,6 +96,9 @@ class WakeOnDemand:
 
     async def _wait(self, model: str, receive: Receive) -> None:
         metrics, started = self._metrics, time.monotonic()
+        if self._waiting.get(model, 0) >= MAX_WAITING:
+            metrics.child(metrics.waited, model, "full").inc()
+            raise WakeTimeout(f"{MAX_WAITING} requests already wait for a node of model {model!r} to wake; retry")
         self._waiting[model] = self._waiting.get(model, 0) + 1
         outcome = "served"
         try:
