@@ -7,6 +7,7 @@ flag definitions are the one place of every default: ProxySettings has none, and
 from __future__ import annotations
 
 import argparse
+import math
 import ssl
 from ipaddress import ip_network
 
@@ -33,7 +34,17 @@ from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
 from vllm_etcd_proxy.proxy.telemetry.spans import traces_endpoint
 
 ENV_PREFIX = "VLLM_PROXY_"
-LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer", "kv_events"}
+LIST_FLAGS = {
+    "prefill",
+    "decode",
+    "mixed",
+    "model",
+    "api_key",
+    "admin_allow_cidr",
+    "tokenizer",
+    "kv_events",
+    "sleep_after_idle",
+}
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """A 128k-token prompt is about 1 MB of JSON; inline images take more."""
 MAX_HEADER_BYTES = 64 * 1024
@@ -130,6 +141,50 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --queue-timeout: a node whose scraped waiting "
         "queue holds N requests counts as full, as one this replica has --max-connections open on (default "
         "%(default)s: off)",
+    )
+    add(
+        "--wake-on-demand",
+        action="store_true",
+        help="a request whose model has no node awake but some asleep (vLLM's sleep mode) waits while one "
+        "replica wakes exactly one of them (claimed in etcd), up to --wake-timeout",
+    )
+    add(
+        "--wake-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request waits for a node of its model to wake, then 503 with Retry-After (default %(default)g)",
+    )
+    add(
+        "--sleep-after-idle",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="[MODEL=]S",
+        help="put a node to sleep once its model has had no request for S seconds anywhere in the fleet, "
+        "drained first (MODEL=S for one model, a bare S for every model; a node's record label "
+        "sleep-after-idle=S wins; repeatable; default: never)",
+    )
+    add(
+        "--min-awake",
+        type=int,
+        default=1,
+        help="nodes of each model --sleep-after-idle always leaves awake (default %(default)s; 0 needs "
+        "--wake-on-demand for a model to come back)",
+    )
+    add(
+        "--sleep-level",
+        type=int,
+        default=1,
+        choices=[0, 1, 2],
+        help="vLLM's sleep level for idle nodes: 0 pauses the scheduler, 1 offloads the weights to CPU memory, "
+        "2 discards them (default %(default)s)",
+    )
+    add(
+        "--sleep-drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a node going to sleep (admin API or idle) may take to finish its requests; then it sleeps "
+        "with vLLM's mode=wait, so the rest still finish (default %(default)g)",
     )
     add("--backend-api-key", help="key sent to nodes started with vLLM's --api-key (default: pass the client's)")
     add(
@@ -345,6 +400,18 @@ def tokenizer_flag(spec: str) -> tuple[str, str]:
     return model.strip(), source.strip()
 
 
+def idle_flag(spec: str) -> tuple[str, float]:
+    """``[MODEL=]S`` of --sleep-after-idle (model ``""``: every model)."""
+    model, sep, seconds = spec.rpartition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0 or (sep and not model.strip()):
+        raise ValueError(f"--sleep-after-idle {spec!r}: expected [MODEL=]SECONDS, seconds more than 0")
+    return model.strip(), value
+
+
 def server_tls(args: argparse.Namespace) -> ServerTlsSettings | None:
     """The listener's TLS from the ``--ssl-*`` flags (None: plain HTTP); ``ValueError`` for a set that cannot
     work."""
@@ -367,10 +434,17 @@ def server_tls(args: argparse.Namespace) -> ServerTlsSettings | None:
     )
 
 
-def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate"):
+def _check_positive(args: argparse.Namespace) -> None:
+    for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate", "wake_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be more than 0")
+    for flag in ("min_awake", "sleep_drain_timeout"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 0 or more")
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    _check_positive(args)
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
@@ -406,6 +480,12 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         api_key_file=args.api_key_file or None,
         queue_timeout=args.queue_timeout,
         queue_when_waiting=args.queue_when_waiting,
+        wake_on_demand=args.wake_on_demand,
+        wake_timeout=args.wake_timeout,
+        sleep_after_idle=tuple(idle_flag(spec) for spec in args.sleep_after_idle),
+        min_awake=args.min_awake,
+        sleep_level=args.sleep_level,
+        sleep_drain_timeout=args.sleep_drain_timeout,
         backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,

@@ -65,6 +65,18 @@ class ProxySettings:
     queue_when_waiting: int
     """With the queue on, a node whose scraped waiting queue holds this many counts as full (0: only
     --max-connections makes a node full)."""
+    wake_on_demand: bool
+    """A request whose model has no node awake but some asleep waits while one of them is woken."""
+    wake_timeout: float
+    """Seconds such a request waits before 503 with Retry-After."""
+    sleep_after_idle: tuple[tuple[str, float], ...]
+    """(model, seconds): a node of the model (``""``: any) idle that long fleet-wide is put to sleep."""
+    min_awake: int
+    """Nodes of each model idle sleeps always leave awake."""
+    sleep_level: int
+    """vLLM's sleep level for idle sleeps (0, 1 or 2)."""
+    sleep_drain_timeout: float
+    """Seconds a node going to sleep may take to finish its requests (then vLLM's mode=wait lets them finish)."""
     backend_api_key: str | None
     """Key sent to nodes started with vLLM's --api-key; None passes the client's Authorization through."""
     max_concurrent: int

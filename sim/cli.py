@@ -19,6 +19,7 @@ from vllm_etcd_proxy.fleet.flags import environment_defaults
 from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
+from vllm_etcd_proxy.sim.gpu import OutOfMemory
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
@@ -87,6 +88,17 @@ def _parser() -> argparse.ArgumentParser:
     add("--lora-swap-time", float, 0.0, "seconds an adapter swapped into a slot adds to TTFT")
     add("--lora-load-time", float, 0.0, "seconds POST /v1/load_lora_adapter takes")
     add("--lora-load-fail", int, 0, "status every adapter load fails with (0: none)")
+    add("--wake-time", float, 0.0, "seconds POST /wake_up takes to bring the weights back")
+    add("--wake-fail", int, 0, "status every POST /wake_up that brings memory back fails with (0: none)")
+    add("--weights-gib", float, 1.0, "GiB of GPU memory the weights take while awake")
+    add("--kv-cache-gib", float, 1.0, "GiB of GPU memory the KV cache takes while awake")
+    add(
+        "--gpu",
+        str,
+        "",
+        "a directory standing for a GPU shared with the nodes given the same one (default: a GPU of its own)",
+    )
+    add("--gpu-capacity-gib", float, 0.0, "memory of the --gpu device: more fails as out of memory (0: no limit)")
     parser.add_argument(
         "--scaling",
         action="store_true",
@@ -172,9 +184,16 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         enable_lora=args.enable_lora or bool(loras),
         max_loras=args.max_loras,
         runtime_lora_updating=environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        dev_mode=environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in ("", "0"),
         lora_swap_time=args.lora_swap_time,
         lora_load_time=args.lora_load_time,
         lora_load_fail=args.lora_load_fail,
+        wake_time=args.wake_time,
+        wake_fail=args.wake_fail,
+        weights_gib=args.weights_gib,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu=Path(args.gpu).resolve() if args.gpu else None,
+        gpu_capacity_gib=args.gpu_capacity_gib,
         role=role,
         node_id=args.node_id,
         ttft=args.ttft,
@@ -243,6 +262,8 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Role:
         KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
     except ValueError as exc:
         parser.error(f"--kv-events-config: {exc}")
+    if min(args.wake_time, args.weights_gib, args.kv_cache_gib, args.gpu_capacity_gib) < 0:
+        parser.error("need --wake-time, --weights-gib, --kv-cache-gib and --gpu-capacity-gib >= 0")
     if args.kv_replay_frames not in (3, 4):
         parser.error("--kv-replay-frames must be 3 or 4")
     return role
@@ -286,8 +307,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         ",".join(settings.models),
         settings.engine_id,
     )
+    try:
+        app = create_app(settings)
+    except OutOfMemory as exc:  # the shared --gpu is full, as CUDA would say at vLLM's start
+        sys.exit(f"vllm-sim: error: {exc}")
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,

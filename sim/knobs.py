@@ -37,6 +37,8 @@ class Knobs:
     lora_swap_time: float
     lora_load_time: float
     lora_load_fail: int
+    wake_time: float
+    wake_fail: int
 
     @classmethod
     def from_settings(cls, settings: SimSettings) -> Knobs:
@@ -79,5 +81,6 @@ _RANGES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("kv_events_hash", lambda form: form in ("int", "bytes"), "kv_events_hash must be int or bytes"),
     ("kv_replay_frames", lambda frames: frames in (3, 4), "kv_replay_frames must be 3 or 4"),
     ("fail_status", lambda status: 100 <= status <= 599, "fail_status must be an HTTP status"),
+    ("wake_fail", lambda status: status == 0 or 400 <= status <= 599, "wake_fail must be 0 or an error status"),
 )
 """What a knob's value must be besides of its kind (checked on the knobs as they would be after the update)."""

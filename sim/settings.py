@@ -50,12 +50,27 @@ class SimSettings:
     runtime_lora_updating: bool
     """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: only then are /v1/load_lora_adapter and /v1/unload_lora_adapter
     served."""
+    dev_mode: bool
+    """vLLM's VLLM_SERVER_DEV_MODE: only then are its development routes (sleep mode, cache resets) served."""
     lora_swap_time: float
     """Seconds added to the first token of a request whose adapter had to be swapped into a slot."""
     lora_load_time: float
     """Seconds POST /v1/load_lora_adapter takes."""
     lora_load_fail: int
     """When not 0, POST /v1/load_lora_adapter fails with this status (404: vLLM's "No adapter found")."""
+    wake_time: float
+    """Seconds POST /wake_up takes when it brings memory back (vLLM reloading the weights)."""
+    wake_fail: int
+    """When not 0, a POST /wake_up that brings memory back fails with this status (the node stays asleep)."""
+    weights_gib: float
+    """GiB of weights the node holds on its GPU while awake (``vllm_sim:gpu_memory_used_bytes``; sleep frees them)."""
+    kv_cache_gib: float
+    """GiB of KV cache the node holds on its GPU while awake."""
+    gpu: Path | None
+    """A directory standing for a GPU shared with the nodes given the same one (sim/gpu.py); None: its own."""
+    gpu_capacity_gib: float
+    """The shared GPU's memory: a start or a wake that would need more fails as CUDA's out of memory (0: no
+    limit)."""
     role: Role
     """prefill/decode answer kv_transfer_params like NixlConnector; mixed has no connector and ignores them."""
     node_id: str

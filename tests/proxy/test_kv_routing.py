@@ -14,7 +14,7 @@ import pytest
 from tests.support.etcd_server import EtcdServer
 from tests.support.procs import HOST, free_port, wait_until
 from tests.support.proxy_proc import ProxyProc
-from tests.support.sim_node import SimNode
+from tests.support.sim_node import DEV_MODE, SimNode
 
 BS = 4
 NAMES = ("a", "b", "c")
@@ -39,7 +39,9 @@ class Fleet:
                 "replay_endpoint": replay,
                 "topic": "kv",
             }
-            node = SimNode(self.root, f"sim-{name}", block_size=BS, output_len=1, kv_events_config=json.dumps(config))
+            node = SimNode(
+                self.root, f"sim-{name}", env=DEV_MODE, block_size=BS, output_len=1, kv_events_config=json.dumps(config)
+            )
             self.nodes[name], self.endpoints[name] = node.start(), (events, replay)
             record = {
                 "url": node.url,
