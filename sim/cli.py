@@ -104,7 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="answer everything 503 as a vLLM scaling its elastic EP does",
     )
-    add("--role", str, "mixed", "prefill, decode or mixed (mixed ignores kv_transfer_params)")
+    add(
+        "--role",
+        str,
+        "mixed",
+        "prefill, decode, both (either leg, or whole requests) or mixed (mixed ignores kv_transfer_params)",
+    )
     add("--node-id", str, "", "node id (default host:port)")
     add("--ttft", float, 0.02, "seconds to the first token")
     add("--itl", float, 0.005, "seconds between tokens")
@@ -119,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         float,
         0.0,
         "each other running sequence makes a prefill or token gap this fraction longer (0: load changes nothing)",
+    )
+    add(
+        "--prefill-chunk",
+        int,
+        0,
+        "prompt tokens per engine step, as vLLM's chunked prefill: prompts are computed one at a time, and a token "
+        "gap while one is computed is this many tokens' --prefill-per-token longer (0: prompts slow nothing)",
     )
     add("--output-len", int, 16, "answer length before a simulated EOS when max_tokens allows")
     add("--max-num-seqs", int, 64, "concurrent sequences; more wait in a FIFO queue")
@@ -200,6 +212,7 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         itl=args.itl,
         prefill_per_token=args.prefill_per_token,
         batch_slowdown=args.batch_slowdown,
+        prefill_chunk=args.prefill_chunk,
         output_len=args.output_len,
         max_num_seqs=args.max_num_seqs,
         fail_rate=args.fail_rate,
@@ -251,12 +264,12 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Role:
         parser.error(f"--role must be one of {', '.join(Role)}")
     if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
         parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
-    if (
-        args.block_size < 1
-        or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown) < 0
-    ):
+    amounts = [args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown]
+    amounts.append(args.prefill_chunk)
+    if args.block_size < 1 or min(amounts) < 0:
         parser.error(
-            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown >= 0"
+            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown, "
+            "--prefill-chunk >= 0"
         )
     try:
         KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None

@@ -5,7 +5,9 @@ No HTTP here: app.py turns a request into a ``Job`` (its answer already decided 
 ``Engine.generate(job)``. A generation that is not iterated to its end (client gone, task cancelled) is recorded
 as cancelled and frees its slot at once. Time to the first token is ``ttft + uncached prompt tokens *
 prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a prefill node; with
---batch-slowdown, each of these waits grows with the sequences running beside it.
+--batch-slowdown, each of these waits grows with the sequences running beside it. With --prefill-chunk, prompts
+are computed one at a time (a prompt waits for those before it) and each token gap that starts while one is being
+computed carries a chunk of it (``Engine._step``).
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ class Engine:
         """vLLM's sleep mode (sleepmode.py): generation waits while the scheduler is paused."""
         self.asleep = 0
         """Requests held by sleep mode (a paused scheduler keeps them waiting)."""
+        self.prefill_queued = 0
+        """With --prefill-chunk: sequences whose prompt waits for the prompts before it (counted as waiting)."""
+        self._prefill_until = 0.0
+        """With --prefill-chunk: ``time.monotonic()`` when the prompts accepted so far are computed."""
         self._abort_epoch = 0
         """Bumped by each aborting sleep: generations that arrived before it end at their next step."""
         self._ended_signal = asyncio.Event()
@@ -301,14 +307,31 @@ class Engine:
         self.counters["prefix_cache_queries"] = self.cache.queries
         self.counters["prefix_cache_hits"] = self.cache.hits
         uncached = len(job.prompt) - lease.hit_tokens
-        await asyncio.sleep(
-            self._batched(knobs.itl if job.kv_loaded else knobs.ttft + uncached * knobs.prefill_per_token)
-        )
+        if job.kv_loaded:
+            await asyncio.sleep(self._step())  # its first token is the first step of its decode
+        elif knobs.prefill_chunk:
+            await self._prefill_in_turn(uncached)
+        else:
+            await asyncio.sleep(self._batched(knobs.ttft + uncached * knobs.prefill_per_token))
         self.counters["prompt_tokens"] += record.prompt_tokens
 
+    async def _prefill_in_turn(self, uncached: int) -> None:
+        """--prefill-chunk: wait for the prompts before this one (counted as waiting), then compute it."""
+        knobs, now = self.knobs, time.monotonic()
+        start = max(now, self._prefill_until)
+        compute = uncached * knobs.prefill_per_token
+        self._prefill_until = start + compute
+        if start > now:
+            self.prefill_queued += 1
+            try:
+                await asyncio.sleep(start - now)
+            finally:
+                self.prefill_queued -= 1
+        await asyncio.sleep(self._batched(knobs.ttft) + compute)
+
     async def _token_gap(self, last: float) -> float:
-        """Wait one --itl after the token sent at ``last``; returns when the next one is due."""
-        await asyncio.sleep(self._batched(self.knobs.itl))
+        """Wait one step after the token sent at ``last``; returns when the next one is due."""
+        await asyncio.sleep(self._step())
         now = time.monotonic()
         self.latencies.itl.observe(now - last)
         return now
@@ -329,7 +352,19 @@ class Engine:
 
     def _batched(self, seconds: float) -> float:
         """``seconds`` stretched by the other sequences running now (--batch-slowdown)."""
-        return seconds * (1.0 + self.knobs.batch_slowdown * max(0, self.slots.running - 1))
+        running = self.slots.running - self.prefill_queued
+        return seconds * (1.0 + self.knobs.batch_slowdown * max(0, running - 1))
+
+    def _step(self) -> float:
+        """One token step: --itl stretched by the batch, plus, with --prefill-chunk, the chunk of a prompt being
+        computed meanwhile (vLLM puts a chunk of it into every step until it is done)."""
+        knobs = self.knobs
+        seconds = self._batched(knobs.itl)
+        if knobs.prefill_chunk:
+            computing = self._prefill_until - time.monotonic()
+            if computing > 0:
+                seconds += min(knobs.prefill_chunk * knobs.prefill_per_token, computing)
+        return seconds
 
     async def _stall(self, record: Record, sent: int, epoch: int) -> None:
         """hang_after_tokens: after that many tokens send nothing more, keeping the connection and the slot,
@@ -341,13 +376,14 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        """Requests queued for a slot, plus those held by sleep mode."""
-        return self.slots.waiting + self.asleep + self.adapters.waiting
+        """Requests queued for a slot, held by sleep mode or for an adapter, or whose prompt waits its turn."""
+        return self.slots.waiting + self.asleep + self.adapters.waiting + self.prefill_queued
 
     @property
     def running(self) -> int:
-        """Requests holding a slot, plus hung ones (a wedged engine reports them as running)."""
-        return self.slots.running + self.hung
+        """Requests holding a slot (but those whose prompt waits its turn), plus hung ones (a wedged engine reports
+        them as running)."""
+        return self.slots.running - self.prefill_queued + self.hung
 
     def log(self, record: Record) -> None:
         """One line per request; ids and counts only, never the prompt or a key."""

@@ -18,6 +18,7 @@ class Knobs:
     itl: float
     prefill_per_token: float
     batch_slowdown: float
+    prefill_chunk: int
     output_len: int
     max_num_seqs: int
     fail_rate: float

@@ -9,11 +9,13 @@ from pathlib import Path
 
 
 class Role(StrEnum):
-    """What the node is in a disaggregated fleet; prefill and decode nodes run a (simulated) NixlConnector."""
+    """What the node is in a disaggregated fleet; prefill, decode and both nodes run a (simulated) NixlConnector
+    (``kv_producer``, ``kv_consumer``, ``kv_both``: a both node serves either leg, and whole requests)."""
 
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
+    BOTH = "both"
 
 
 def engine_id_for(node_id: str) -> str:
@@ -85,6 +87,12 @@ class SimSettings:
     """How much each other running sequence slows a step, as a batch slows vLLM's steps: a prefill or token gap
     that takes t alone takes t x (1 + batch_slowdown x (running - 1)), running counted when it starts (0: load
     changes nothing)."""
+    prefill_chunk: int
+    """Prompt tokens computed per engine step beside the generating sequences, as vLLM's chunked prefill
+    (``--max-num-batched-tokens``). With it, the node computes prompts one at a time in arrival order (each
+    ``prefill_per_token`` per uncached token; the later ones wait, counted as waiting), and a token gap that starts
+    while a prompt is being computed is up to ``prefill_chunk x prefill_per_token`` longer: prefill work slows
+    the node's decodes. 0: prompts are computed side by side and slow nothing."""
     output_len: int
     """Length of an answer before the simulated EOS (finish_reason "stop") when max_tokens allows it; counted
     from the start of the answer, so a continuation ends where the original would (see sim/tokens.py)."""
