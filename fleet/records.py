@@ -27,6 +27,9 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     MIXED = "mixed"
+    BOTH = "both"
+    """A node that can prefill and decode (vLLM's NixlConnector with ``kv_role: kv_both``): per request it runs
+    alone, as the prefill side or as the decode side (routing/elastic.py)."""
 
 
 class Status(StrEnum):

@@ -57,6 +57,7 @@ from vllm_etcd_proxy.proxy.routing.balancer import (
     Policy,
     make_policy,
 )
+from vllm_etcd_proxy.proxy.routing.elastic import Elastic
 from vllm_etcd_proxy.proxy.routing.kv_aware import KvAware, KvRouting
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
@@ -165,20 +166,21 @@ def _hangup(key_file: Callable[[], None] | None, tls: ServerTls | None, metrics:
 
 
 def static_pool(settings: ProxySettings) -> Pool:
-    """The pool, with the nodes given on the command line (``--prefill``/``--decode``/``--mixed``)."""
+    """The pool, with the nodes given on the command line (``--prefill``/``--decode``/``--mixed``/``--both``)."""
     pool = Pool()
     kv_flags = {node: (events, replay) for node, events, replay in settings.kv_events}
     for role, addresses in (
         (Role.PREFILL, settings.prefill),
         (Role.DECODE, settings.decode),
         (Role.MIXED, settings.mixed),
+        (Role.BOTH, settings.both),
     ):
         for address in addresses:
             try:
                 pool.add(static_node(role, address, settings.models, kv_flags.get(address, (None, None))))
             except InvalidRecord as exc:
                 raise ValueError(f"--{role.value} {address}: {exc}") from None
-    if unknown := set(kv_flags) - {*settings.prefill, *settings.decode, *settings.mixed}:
+    if unknown := set(kv_flags) - {*settings.prefill, *settings.decode, *settings.mixed, *settings.both}:
         raise ValueError(f"--kv-events names no static node: {', '.join(sorted(unknown))}")
     return pool
 
@@ -210,6 +212,7 @@ class Replica:
         self.kv_subscribers = KvSubscribers(pool, kv_index)
         self.kv_routing = KvRouting(kv_index, self.kv_subscribers.tracked, self.kv_subscribers.active)
         self.policies = self._policies()
+        self.elastic = Elastic(self.kv_routing, settings.split_min_prompt_tokens)  # both nodes: local or split
         self.ejector = Ejector(pool, self.client, settings.ejection)
         self.etcd = EtcdClient(settings.etcd) if settings.etcd is not None else None
         key = settings.backend_api_key
@@ -286,6 +289,7 @@ class Replica:
             first_byte_timeout=settings.timeouts.first_byte,
             prefill_timeout=settings.timeouts.prefill,
             pd_min_prompt_tokens=settings.pd_min_prompt_tokens,
+            elastic=self.elastic,
         )
         path: Handler = Relay(metrics, flows, settings.max_resumes)
         if settings.max_concurrent:
@@ -302,7 +306,7 @@ class Replica:
             self.prompt_tokens.ids,
             BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
             affinity=any(p.name in AFFINITY_POLICIES for p in self.policies.values()),
-            count_uncached=settings.pd_min_prompt_tokens > 0,
+            count_uncached=settings.pd_min_prompt_tokens > 0 or settings.split_min_prompt_tokens > 0,
             resumes=settings.max_resumes > 0,
         )
         path = Keys(path, self.keys)

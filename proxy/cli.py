@@ -97,8 +97,8 @@ def parse_settings(argv: Sequence[str]) -> ProxySettings:
         parser.error("--max-resumes must be 0 or more")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
-    if not args.etcd and not (args.prefill or args.decode or args.mixed):
-        parser.error("give --etcd, or static nodes with --prefill/--decode/--mixed")
+    if not args.etcd and not (args.prefill or args.decode or args.mixed or args.both):
+        parser.error("give --etcd, or static nodes with --prefill/--decode/--mixed/--both")
     try:
         settings = settings_from_args(args)
         build_app(settings)  # static nodes and policies are checked here, before anything starts

@@ -79,14 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--etcd", help="etcd endpoints, URL[,URL...]; without it the static flags are the pools")
     add("--etcd-prefix", default=KEY_PREFIX, help="key prefix (default %(default)s)")
     add("--cluster", default=CLUSTER, help="cluster name under the prefix (default %(default)s)")
-    for role in ("prefill", "decode", "mixed"):
+    for role in ("prefill", "decode", "mixed", "both"):
         add(
             f"--{role}",
             nargs="+",
             action="extend",
             default=[],
             metavar="HOST:PORT",
-            help=f"static {role} nodes (host:port or URL; repeatable)",
+            help=f"static {role} nodes (host:port or URL; repeatable)"
+            if role != "both"
+            else "static nodes that prefill or decode per request, vLLM's NixlConnector with kv_role kv_both "
+            "(host:port or URL; repeatable)",
         )
     add(
         "--kv-events",
@@ -95,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NODE=ENDPOINT[,REPLAY]",
         help="a static node's KV-cache event publisher, tcp://HOST:PORT, and optionally its replay socket "
-        "(NODE as given to --prefill/--decode/--mixed; repeatable)",
+        "(NODE as given to --prefill/--decode/--mixed/--both; repeatable)",
     )
     add(
         "--model",
@@ -213,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and mixed nodes, which is cache-aware for nodes that publish no KV events; least-load for decode "
         "nodes)",
     )
-    for role in ("prefill", "decode", "mixed"):
+    for role in ("prefill", "decode", "mixed", "both"):
         add(
             f"--{role}-policy",
             choices=POLICY_NAMES,
@@ -232,6 +235,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="for a prefill/decode model: a prompt with fewer new "
         "tokens than this (those no earlier request had, so no prefix cache holds) skips the prefill leg and goes "
         "straight to a decode node (default %(default)s: never)",
+    )
+    add(
+        "--split-min-prompt-tokens",
+        type=int,
+        default=256,
+        help="for a model with both nodes: a request is split (prefill on one node, decode on another) only when "
+        "at least this many of its prompt tokens are not cached on the node that would prefill it; fewer, and "
+        "it runs on one node (default %(default)s)",
     )
     add(
         "--tokenizer",
@@ -438,7 +449,7 @@ def _check_positive(args: argparse.Namespace) -> None:
     for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate", "wake_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be more than 0")
-    for flag in ("min_awake", "sleep_drain_timeout"):
+    for flag in ("min_awake", "sleep_drain_timeout", "split_min_prompt_tokens"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be 0 or more")
 
@@ -473,6 +484,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         prefill=tuple(args.prefill),
         decode=tuple(args.decode),
         mixed=tuple(args.mixed),
+        both=tuple(args.both),
         models=tuple(args.model),
         admin_key=args.admin_key or None,
         admin_allow=tuple(ip_network(c, strict=False) for c in args.admin_allow_cidr),
@@ -493,13 +505,14 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_header_bytes=args.max_header_bytes,
         policies=tuple(
             (r, getattr(args, f"{r}_policy") or args.policy or DEFAULT_POLICIES[r])
-            for r in ("prefill", "decode", "mixed")
+            for r in ("prefill", "decode", "mixed", "both")
         ),
         max_attempts=args.max_attempts,
         max_resumes=args.max_resumes,
         affinity_header=args.affinity_header.lower(),
         scrape_load=args.scrape_load,
         pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+        split_min_prompt_tokens=args.split_min_prompt_tokens,
         tokenizers=tuple(tokenizer_flag(spec) for spec in args.tokenizer),
         timeouts=TimeoutSettings(
             connect=args.connect_timeout,

@@ -50,6 +50,8 @@ class ProxySettings:
     """Static decode nodes, host:port or URL."""
     mixed: tuple[str, ...]
     """Static mixed (non-disaggregated) nodes, host:port or URL."""
+    both: tuple[str, ...]
+    """Static nodes that prefill or decode per request (NixlConnector ``kv_both``), host:port or URL."""
     models: tuple[str, ...]
     """Models the static nodes serve; empty means ask each node's GET /v1/models."""
     admin_key: str | None
@@ -89,6 +91,9 @@ class ProxySettings:
     pd_min_prompt_tokens: int
     """A disaggregated model's request whose prompt has fewer new (uncached) tokens than this skips the prefill
     leg and goes straight to a decode node; 0 never skips."""
+    split_min_prompt_tokens: int
+    """A request to ``both`` nodes is split only when at least this many of its prompt tokens are not cached on
+    the node that would prefill it (routing/elastic.py)."""
     tokenizers: tuple[tuple[str, str], ...]
     """(model, tokenizer directory or hub id) from --tokenizer: the token ids routing reads
     (kvcache/prompt/tokens.py)."""

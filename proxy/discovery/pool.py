@@ -187,11 +187,14 @@ class Pool:
 
     # -- what others saw of a node (the one place NodeState is written) ---------------------------------------
 
-    def request_started(self, state: NodeState) -> None:
+    def request_started(self, state: NodeState, *, prefill: bool = False) -> None:
+        """A leg of this replica's went to the node (``prefill``: a prefill leg, the prompt only)."""
         state.in_flight += 1
+        state.prefilling += prefill
 
-    def request_ended(self, state: NodeState) -> None:
+    def request_ended(self, state: NodeState, *, prefill: bool = False) -> None:
         state.in_flight -= 1
+        state.prefilling -= prefill
         state.served += 1
 
     def set_load(self, state: NodeState, running: int, waiting: int, kv_usage: float, at: float) -> None:

@@ -24,6 +24,8 @@ class NodeState:
     """The entries of that answer by model id, as the node gave them."""
     in_flight: int = 0
     """Requests this replica has open on the node right now."""
+    prefilling: int = 0
+    """Of those, prefill legs (the prompt only, for a decode node to pull): the rest decode or run whole."""
     node_waiting: int = 0
     """Requests waiting in the node's own queue (all replicas'), from its /metrics when --scrape-load is on."""
     node_running: int = 0

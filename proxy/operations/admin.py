@@ -58,7 +58,7 @@ async def parse_admin_body(request: Request) -> AdminRequest:
     body = parse_object(await read_body(request.receive, declared, ADMIN_BODY))
     kind, instance = body.get("type"), body.get("instance")
     if kind not in {r.value for r in Role}:
-        raise BadRequest("Invalid instance type: 'type' must be prefill, decode or mixed.", param="type")
+        raise BadRequest("Invalid instance type: 'type' must be prefill, decode, mixed or both.", param="type")
     if not isinstance(instance, str):
         raise BadRequest("'instance' must be a host:port string", param="instance")
     try:

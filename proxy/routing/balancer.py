@@ -284,9 +284,10 @@ KV_AWARE = "kv-aware"
 POLICY_NAMES = sorted([*POLICIES, KV_AWARE])
 AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name, KV_AWARE])
 """Policies that route by an affinity key (the request's session, user or prompt prefix)."""
-DEFAULT_POLICIES = {"prefill": KV_AWARE, "decode": LeastLoad.name, "mixed": KV_AWARE}
+DEFAULT_POLICIES = {"prefill": KV_AWARE, "decode": LeastLoad.name, "mixed": KV_AWARE, "both": KV_AWARE}
 """Per role when no policy flag is given (bench/routing.py): a prefix cache saves prefill and mixed nodes work;
-a decode node only pulls the KV cache, so its load is what matters."""
+a decode node only pulls the KV cache, so its load is what matters. A ``both`` node's policy places the requests
+it runs alone (routing/elastic.py places the two legs of a split one)."""
 
 
 def make_policy(name: str) -> Policy:

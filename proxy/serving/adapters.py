@@ -46,8 +46,9 @@ from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
 
-ROLES = (Role.MIXED, Role.DECODE)
-"""Nodes adapters are loaded on: those a request that is not disaggregated goes to."""
+ROLES = (Role.MIXED, Role.BOTH, Role.DECODE)
+"""Nodes adapters are loaded on: those a request that is not disaggregated goes to (an adapter's request to
+``both`` nodes runs on one of them, never split)."""
 DISAGGREGATED = ((Role.PREFILL,), (Role.DECODE,))
 """The role groups a disaggregated base model's adapter is loaded on: a prefill node and a decode node."""
 LOAD_TIMEOUT = httpx.Timeout(300.0, connect=5.0)

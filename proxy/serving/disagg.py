@@ -5,6 +5,9 @@
 2. Decode leg: the client's body plus the prefill answer's ``kv_transfer_params``, copied verbatim.
 Both legs carry the same X-Request-Id. Each leg is retried on its own by the forwarder.
 
+The legs go to prefill and decode nodes by their roles' policies; a request that routing/elastic.py split between
+``both`` nodes (``request.plan``) goes to the nodes it ranked, the decode leg never to the node that prefilled.
+
 Bodies are touched as little as possible: the decode leg is the client's own bytes with one field spliced in
 before the closing brace; only the prefill leg is re-encoded (orjson: UTF-8 as it came, no ``\\u`` escapes).
 """
@@ -22,7 +25,7 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import UpstreamFailed, UpstreamTimeout
 from vllm_etcd_proxy.proxy.serving.bodies import with_field
-from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
+from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream, Work
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
 
@@ -65,10 +68,12 @@ def decode_body(raw: bytes, body: Mapping[str, Any], kv_transfer_params: Any) ->
 class DisaggregatedFlow:
     """Runs the two legs of one request and returns the decode node's open response."""
 
-    mode = "disagg"
-    __slots__ = ("_forwarder", "_first_byte", "_prefill")
+    __slots__ = ("mode", "_forwarder", "_first_byte", "_prefill")
 
-    def __init__(self, forwarder: Forwarder, first_byte_timeout: float, prefill_timeout: float) -> None:
+    def __init__(
+        self, forwarder: Forwarder, first_byte_timeout: float, prefill_timeout: float, mode: str = "disagg"
+    ) -> None:
+        self.mode = mode
         self._forwarder = forwarder
         self._first_byte = first_byte_timeout
         self._prefill = prefill_timeout
@@ -76,17 +81,35 @@ class DisaggregatedFlow:
     async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
         body = request.body
         assert body is not None  # the generate routes' JSON
-        kv = await self._prefill_leg(request, body)
-        if isinstance(kv, (Upstream, ErrorAnswer)):
-            return kv
-        leg = Leg(roles=(Role.DECODE,), body=decode_body(request.raw, body, kv), timeout=self._first_byte)
+        prefilled = await self._prefill_leg(request, body)
+        if isinstance(prefilled, (Upstream, ErrorAnswer)):
+            return prefilled
+        kv, node = prefilled
+        plan = request.plan
+        order = [s for s in plan.decode if s is not node] if plan is not None else None
+        leg = Leg(
+            roles=(Role.DECODE,),
+            body=decode_body(request.raw, body, kv),
+            timeout=self._first_byte,
+            work=Work.DECODE,
+            order=order,
+        )
         return await self._forwarder.open(request, leg, avoid)
 
-    async def _prefill_leg(self, request: ProxyRequest, body: Mapping[str, Any]) -> Any:
-        """Returns the prefill answer's kv_transfer_params, or the node's answer to pass on (an error, or a 4xx
-        the client is to see: prompt too long, a bad parameter)."""
-        total = self._prefill
-        leg = Leg(roles=(Role.PREFILL,), body=prefill_body(body), timeout=total, deadline=time.monotonic() + total)
+    async def _prefill_leg(
+        self, request: ProxyRequest, body: Mapping[str, Any]
+    ) -> tuple[Any, NodeState] | Upstream | ErrorAnswer:
+        """Returns the prefill answer's kv_transfer_params and the node that gave it, or the node's answer to pass
+        on (an error, or a 4xx the client is to see: prompt too long, a bad parameter)."""
+        total, plan = self._prefill, request.plan
+        leg = Leg(
+            roles=(Role.PREFILL,),
+            body=prefill_body(body),
+            timeout=total,
+            deadline=time.monotonic() + total,
+            work=Work.PREFILL,
+            order=plan.prefill if plan is not None else None,
+        )
         try:
             answer = await self._forwarder.open(request, leg)
         except UpstreamTimeout:
@@ -110,4 +133,4 @@ class DisaggregatedFlow:
                 "prefill answer has no kv_transfer_params node=%s; decode will recompute the prompt",
                 answer.state.node.node_id,
             )
-        return kv
+        return kv, answer.state

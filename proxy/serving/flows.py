@@ -4,8 +4,10 @@ Each flow is a class with one method, ``open(request, avoid)``, that sends the r
 forwarder and returns the node's open response (or its error answer, read whole):
 
 - ``OneLeg``: to a node of the model, the body byte for byte (``mixed``; ``decode`` when so little of a
-  disaggregated model's prompt is new that a prefill leg would cost more than it saves);
-- ``DisaggregatedFlow`` (disagg.py): vLLM's prefill -> decode exchange;
+  disaggregated model's prompt is new that a prefill leg would cost more than it saves; ``local`` when
+  routing/elastic.py runs a request to ``both`` nodes on one of them);
+- ``DisaggregatedFlow`` (disagg.py): vLLM's prefill -> decode exchange (``disagg``; ``split`` between ``both``
+  nodes, on the nodes routing/elastic.py ranked);
 - ``WithAdapter``: a registered LoRA adapter loaded on a node first (serving/adapters.py), then ``OneLeg``,
   ``NewResponse`` (the Responses API) or, for a disaggregated base model, the exchange (loaded on a prefill and a
   decode node);
@@ -14,7 +16,7 @@ forwarder and returns the node's open response (or its error answer, read whole)
 - ``ByResponseId``: ``/v1/responses/{id}...``, to the node holding that id.
 
 ``pick`` looks only at the request and the pool; a resumed stream's continuation is picked for again (its prompt
-is longer, and the node it broke on is avoided).
+is longer, and the node it broke on is avoided, also by the split of a request to ``both`` nodes).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Protocol
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable
+from vllm_etcd_proxy.proxy.routing.elastic import Ask, Elastic
 from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
 from vllm_etcd_proxy.proxy.serving.adapters import DISAGGREGATED, ROLES, AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import DisaggregatedFlow
@@ -32,8 +35,11 @@ from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.serving.responses import ResponseIds, previous_response_id
 from vllm_etcd_proxy.proxy.serving.routes import Kind, response_id_of
 
-MIXED_ROLES = (Role.MIXED, Role.DECODE)
+MIXED_ROLES = (Role.MIXED, Role.BOTH, Role.DECODE)
+"""Nodes that serve a request alone, in the order tried (the first role with a node available wins)."""
 DECODE_FIRST = (Role.DECODE, Role.MIXED)
+LOCAL_ROLES = (Role.BOTH, Role.MIXED)
+"""Where a request to ``both`` nodes runs when it is not split."""
 
 
 class Flow(Protocol):
@@ -122,13 +128,17 @@ class Flows:
         first_byte_timeout: float,
         prefill_timeout: float,
         pd_min_prompt_tokens: int,
+        elastic: Elastic,
     ) -> None:
         self._pool, self._adapters, self._kv = pool, adapters, kv
         self._ids = ResponseIds(pool)
         self._pd_min = pd_min_prompt_tokens
+        self._elastic = elastic
         self.mixed = OneLeg("mixed", MIXED_ROLES, forwarder, first_byte_timeout)
         self.decode = OneLeg("decode", DECODE_FIRST, forwarder, first_byte_timeout)
         self.disaggregated = DisaggregatedFlow(forwarder, first_byte_timeout, prefill_timeout)
+        self.local = OneLeg("local", LOCAL_ROLES, forwarder, first_byte_timeout)
+        self.split = DisaggregatedFlow(forwarder, first_byte_timeout, prefill_timeout, mode="split")
         self.adapter = WithAdapter(adapters, self.mixed)
         self.adapter_disaggregated = WithAdapter(adapters, self.disaggregated, DISAGGREGATED)
         self.by_response_id = ByResponseId(forwarder, first_byte_timeout)
@@ -136,8 +146,9 @@ class Flows:
         self.adapter_response = WithAdapter(adapters, self.new_response)
         self.continued_response = NewResponse("pinned", forwarder, self._ids, first_byte_timeout)
 
-    def pick(self, request: ProxyRequest) -> Flow:
-        """The flow for ``request`` (its body read, its model known); ``ProxyError`` when none can serve it."""
+    def pick(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Flow:
+        """The flow for ``request`` (its body read, its model known); ``ProxyError`` when none can serve it.
+        ``avoid``: nodes a resumed stream's continuation is not to be placed on while others are left."""
         kind = request.kind
         if kind is Kind.BY_RESPONSE_ID:
             request.pinned = self._ids.holder(response_id_of(request.path))
@@ -149,6 +160,8 @@ class Flows:
             if adapter is not None and self._disaggregated(adapter.base):
                 request.adapter = adapter
                 return self.adapter_disaggregated
+            if self._pool.candidates(Role.BOTH, self._model(request)):
+                return self._elastic_flow(request, avoid)
             if self._disaggregated(request.model):
                 return self.decode if self._little_is_new(request) else self.disaggregated
         if adapter is not None:
@@ -160,6 +173,24 @@ class Flows:
     def _disaggregated(self, model: str | None) -> bool:
         pool = self._pool
         return model is not None and bool(pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model))
+
+    def _elastic_flow(self, request: ProxyRequest, avoid: tuple[NodeState, ...]) -> Flow:
+        """A model with ``both`` nodes: routing/elastic.py says whether the request runs on one node or is split,
+        and between which nodes (``request.plan``)."""
+        body, model, pool = request.body, self._model(request), self._pool
+        assert body is not None
+        both = pool.candidates(Role.BOTH, model)
+        prefill = _without(avoid, [*pool.candidates(Role.PREFILL, model), *both])
+        decode = _without(avoid, [*pool.candidates(Role.DECODE, model), *both])
+        limit = body.get("max_tokens", body.get("max_completion_tokens"))
+        ask = Ask(
+            prompt=request.prompt,
+            new_tokens=request.uncached_tokens,
+            max_tokens=limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
+            key=request.affinity or request.request_id,
+        )
+        plan = request.plan = self._elastic.plan(ask, prefill, decode)
+        return self.split if plan.split else self.local
 
     def _little_is_new(self, request: ProxyRequest) -> bool:
         """So little of the prompt is new (``--pd-min-prompt-tokens``) that a prefill leg costs more than it
@@ -199,3 +230,9 @@ class Flows:
         served = sorted({*served, *(a.name for a in self._adapters.listed(served))})  # registered adapters too
         known = ", ".join(served) or "none"
         raise ModelNotFound(f"The model `{model}` does not exist. Known models: {known}.", param="model")
+
+
+def _without(avoid: tuple[NodeState, ...], nodes: list[NodeState]) -> list[NodeState]:
+    """``nodes`` but those of ``avoid``, unless that leaves none."""
+    kept = [s for s in nodes if s not in avoid]
+    return kept or nodes

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import NamedTuple
 
 from vllm_etcd_proxy.fleet.records import Role
@@ -62,6 +63,17 @@ class ErrorAnswer:
     node_id: str
 
 
+class Work(StrEnum):
+    """What a leg asks of its node (``vllm_proxy_legs_total{leg}``)."""
+
+    WHOLE = "whole"
+    """The whole request: prompt and answer on that node."""
+    PREFILL = "prefill"
+    """The prompt only, its KV cache kept for a decode node to pull."""
+    DECODE = "decode"
+    """The answer, from the KV cache pulled from the prefill node."""
+
+
 class Leg(NamedTuple):
     """One HTTP request, of a client request's, to be sent to some node of ``roles`` (tried in order); the model,
     path, headers and routing hints are the client request's (``ProxyRequest``)."""
@@ -76,6 +88,10 @@ class Leg(NamedTuple):
     """The body for the node chosen, when it depends on the node (instead of ``body``)."""
     narrow: bool = False
     """Candidates narrowed before the policy chooses (a LoRA adapter's nodes where it is active first)."""
+    work: Work = Work.WHOLE
+    order: Sequence[NodeState] | None = None
+    """The nodes to try, best first, instead of asking the role's policy (a split request's legs, placed by
+    routing/elastic.py); one that left the pool or takes no request now is skipped."""
 
 
 def header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -90,7 +106,7 @@ def client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
 class Upstream:
     """An open response from a node: status and headers are in, the body is not read yet."""
 
-    __slots__ = ("state", "role", "response", "_forwarder", "_closed", "span", "after")
+    __slots__ = ("state", "role", "work", "response", "_forwarder", "_closed", "span", "after")
 
     def __init__(
         self,
@@ -99,10 +115,12 @@ class Upstream:
         role: Role,
         response: UpstreamResponse,
         span: LegSpan = NO_LEG,
+        work: Work = Work.WHOLE,
     ) -> None:
         self._forwarder = forwarder
         self.state = state
         self.role = role
+        self.work = work
         self.response = response
         self._closed = False
         self.span = span
@@ -134,7 +152,7 @@ class Upstream:
             return
         self._closed = True
         self.response.close()
-        self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken")
+        self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken", work=self.work)
         self.span.end(outcome, self.response.status)
         self.after()
 
@@ -190,15 +208,11 @@ class Forwarder:
         tried: list[NodeState] = list(avoid)
         last_error: ProxyError | None = None
         last_answer: ErrorAnswer | None = None
-        model, pinned = request.model or "", request.pinned
+        model = request.model or ""
         for attempt in range(self._attempts):
             if leg.deadline is not None and time.monotonic() >= leg.deadline:
                 break
-            if pinned is not None:
-                role, state = pinned.node.role, (pinned if not tried else None)
-            else:
-                role, candidates = self._candidates(model, leg)
-                state = self._policies[role].choose(candidates, tried, request.affinity, request.prompt)
+            role, state = self._choose(request, leg, tried)
             if state is None:
                 break
             if attempt:
@@ -216,6 +230,24 @@ class Forwarder:
         if last_error is not None:
             raise last_error
         raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {model!r}")
+
+    def _choose(self, request: ProxyRequest, leg: Leg, tried: Collection[NodeState]) -> tuple[Role, NodeState | None]:
+        """The node for the next attempt (None: none is left), and the role it is there as."""
+        pinned = request.pinned
+        if pinned is not None:
+            return pinned.node.role, (pinned if not tried else None)
+        if leg.order is not None:
+            state = self._next_in_order(leg.order, tried)
+            return (state.node.role if state is not None else leg.roles[0]), state
+        role, candidates = self._candidates(request.model or "", leg)
+        return role, self._policies[role].choose(candidates, tried, request.affinity, request.prompt)
+
+    def _next_in_order(self, order: Sequence[NodeState], tried: Collection[NodeState]) -> NodeState | None:
+        """The first node of ``order`` not tried yet that is still in the pool and takes a request now; when every
+        such node was tried, the first of them again (as a policy does: it may have been a passing fault)."""
+        pool = self._pool
+        usable = [s for s in order if pool.get(s.entry_key) is s and s.routable and s.admits]
+        return next((s for s in usable if s not in tried), usable[0] if usable else None)
 
     async def _attempt(
         self, request: ProxyRequest, state: NodeState, role: Role, leg: Leg, attempt: int
@@ -235,30 +267,32 @@ class Forwarder:
             idle_timeout=self._idle,
             method=request.method,
         )
-        self._pool.request_started(state)
+        work = leg.work
+        self._pool.request_started(state, prefill=work is Work.PREFILL)
+        self._metrics.leg(node.node_id, work.value)
         try:
             response = await self._transport.send(upstream_request)
         except UpstreamTimeout as exc:
-            self._failed(state, role, "timeout", span)
+            self._failed(state, role, "timeout", span, work=work)
             log.warning("upstream timeout node=%s role=%s error=%s", node.node_id, role.value, exc.message)
             return exc
         except ProxyError as exc:
-            self._failed(state, role, "connect_error", span)
+            self._failed(state, role, "connect_error", span, work=work)
             log.warning("upstream failed node=%s role=%s error=%s", node.node_id, role.value, exc.message)
             return UpstreamFailed(exc.message)
         except BaseException:
-            self._failed(state, role, "cancelled", span, failed=False)
+            self._failed(state, role, "cancelled", span, failed=False, work=work)
             raise
         status = response.status
         if status >= 500 or status == 429:
-            return await self._error_answer(state, role, response, span)
+            return await self._error_answer(state, role, response, span, work)
         # Headers are no success yet: a wedged engine sends them, then nothing (or breaks the stream). Counting
         # them would reset the node's failures with every new request, so it would never be ejected again and
         # probation would end before the node proved anything; the exchange counts when it ends (release).
-        return Upstream(self, state, role, response, span)
+        return Upstream(self, state, role, response, span, work)
 
     async def _error_answer(
-        self, state: NodeState, role: Role, response: UpstreamResponse, span: LegSpan
+        self, state: NodeState, role: Role, response: UpstreamResponse, span: LegSpan, work: Work
     ) -> ErrorAnswer:
         """A node's 5xx or 429, read whole (bounded) so the client can get it when no other node answers."""
         status = response.status
@@ -271,7 +305,7 @@ class Forwarder:
         busy = status in _BUSY
         if status == 503:
             self._pool.hold_busy(state, BUSY_HOLD)
-        self._failed(state, role, f"http_{status}", span, failed=not busy, status=status)
+        self._failed(state, role, f"http_{status}", span, failed=not busy, status=status, work=work)
         log.warning("upstream error node=%s role=%s status=%d", state.node.node_id, role.value, status)
         headers = [(k, v) for k, v in client_headers(response.headers) if k.lower() != b"content-length"]
         return ErrorAnswer(status=status, headers=headers, body=body, node_id=state.node.node_id)
@@ -285,12 +319,13 @@ class Forwarder:
         *,
         failed: bool = True,
         status: int | None = None,
+        work: Work = Work.WHOLE,
     ) -> None:
-        self.release(state, role, outcome, failed=failed)
+        self.release(state, role, outcome, failed=failed, work=work)
         span.end(outcome, status)
 
-    def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool) -> None:
-        self._pool.request_ended(state)
+    def release(self, state: NodeState, role: Role, outcome: str, *, failed: bool, work: Work = Work.WHOLE) -> None:
+        self._pool.request_ended(state, prefill=work is Work.PREFILL)
         self._metrics.upstream_outcome(role, state.node.node_id, outcome)
         if failed:
             self._ejector.failure(state, outcome)

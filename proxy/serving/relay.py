@@ -207,7 +207,7 @@ class Relay:
         request.trace.resumed()
         request.raw, request.body = orjson.dumps(body), body
         try:
-            answer: Upstream | ErrorAnswer | None = await self._flows.pick(request).open(request, (failed,))
+            answer: Upstream | ErrorAnswer | None = await self._flows.pick(request, (failed,)).open(request, (failed,))
         except ProxyError as exc:
             answer, failure = None, exc
         if isinstance(answer, Upstream) and answer.status == 200:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from vllm_etcd_proxy.fleet.adapters import Adapter
     from vllm_etcd_proxy.proxy.discovery.pool import NodeState
     from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
+    from vllm_etcd_proxy.proxy.routing.elastic import Plan
     from vllm_etcd_proxy.proxy.serving.flows import Flow
     from vllm_etcd_proxy.proxy.serving.parsing import ClientRequest
     from vllm_etcd_proxy.proxy.tenancy.keys import Limits
@@ -94,6 +95,7 @@ class ProxyRequest:
         "uncached_tokens",
         "prompt",
         "pinned",
+        "plan",
         "adapter",
         "flow",
         "mode",
@@ -151,11 +153,14 @@ class ProxyRequest:
         """The prompt's token ids for kv-aware routing (None: unknown, or no node publishes KV events)."""
         self.pinned: NodeState | None = None
         """The one node the request may go to (it holds the response the request names)."""
+        self.plan: Plan | None = None
+        """For a model with ``both`` nodes: run on one node, or the nodes of its split (routing/elastic.py)."""
         self.adapter: Adapter | None = None
         """The registered LoRA adapter the request names."""
         self.flow: Flow | None = None
         self.mode = "none"
-        """The flow's name in metrics: mixed, decode, disagg, pinned (none: refused before one was picked)."""
+        """The flow's name in metrics: mixed, decode, disagg, local, split, pinned (none: refused before one was
+        picked)."""
         self.resumable = False
         """Its stream may go on from another node when its node fails (resume.py)."""
         self.tally: Tally | None = None

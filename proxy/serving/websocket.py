@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 WEBSOCKET_ROUTES = frozenset(["/v1/realtime", "/v1/responses"])
 """Routes named as such in metrics; any other path counts as /v1/other."""
-_ROLES = (Role.MIXED, Role.DECODE)
+_ROLES = (Role.MIXED, Role.BOTH, Role.DECODE)
 
 
 class _Handshake(NamedTuple):

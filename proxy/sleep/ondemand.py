@@ -34,7 +34,7 @@ from vllm_etcd_proxy.proxy.sleep.waker import Waker, woke
 
 log = logging.getLogger(__name__)
 
-SERVING_ROLES = (Role.MIXED, Role.DECODE)
+SERVING_ROLES = (Role.MIXED, Role.BOTH, Role.DECODE)
 """Roles of nodes that serve a request alone: waking one of them makes the model servable."""
 FAILED_HOLD = 30.0
 """Seconds a node that failed to wake is not tried again by this replica."""

@@ -188,6 +188,14 @@ class ProxyMetrics:
             ["role", "node", "outcome"],
             registry=registry,
         )
+        self.legs = Counter(
+            "vllm_proxy_legs",
+            "Legs sent to nodes (each attempt), by node and what the leg asked of it: "
+            "prefill (the prompt, its KV cache kept for another node), decode (the answer, from KV pulled from "
+            "the prefill node), whole (the request on that one node).",
+            ["node", "leg"],
+            registry=registry,
+        )
         self.retries = Counter(
             "vllm_proxy_retries", "Legs retried on another node before the first byte.", ["role"], registry=registry
         )
@@ -379,6 +387,9 @@ class ProxyMetrics:
 
     def upstream_outcome(self, role: Role, node_id: str, outcome: str) -> None:
         self._count(self.upstream, (role.value, node_id, outcome))
+
+    def leg(self, node_id: str, work: str) -> None:
+        self._count(self.legs, (node_id, work))
 
     def websocket_opened(self, route: str) -> None:
         self._child(self.websocket_open, route).inc()

@@ -128,8 +128,8 @@ class FairQueue:
         if prefill and decode:
             groups = [prefill, decode]
         else:
-            mixed = pool.candidates(Role.MIXED, model)
-            groups = [mixed or decode]
+            whole = pool.candidates(Role.MIXED, model) + pool.candidates(Role.BOTH, model)
+            groups = [whole or decode]
         if not groups[0]:
             return math.inf
         return min(sum(max(0.0, self._node_room(s)) for s in nodes) for nodes in groups)
