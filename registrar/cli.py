@@ -39,7 +39,7 @@ from vllm_etcd_proxy.fleet.records import (
 from vllm_etcd_proxy.fleet.tls import NodeTlsSettings
 from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.registrar.errors import StartupError, UsageError
-from vllm_etcd_proxy.registrar.kvconfig import from_child, published
+from vllm_etcd_proxy.registrar.kvconfig import child_transfer, from_child, node_role, published
 from vllm_etcd_proxy.registrar.runner import Runner
 from vllm_etcd_proxy.registrar.settings import MAX_TTL, MIN_TTL, RegistrarSettings
 
@@ -65,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_version_flag(p)
     add = p.add_argument
     add("--etcd", metavar="URL[,URL...]", help="etcd endpoints (required)")
-    add("--role", metavar="ROLE", help="prefill, decode or mixed (required)")
+    add(
+        "--role",
+        metavar="ROLE",
+        help="prefill, decode, mixed or both (prefill or decode per request: NixlConnector kv_role kv_both); "
+        "required, but in wrapper mode when the child's --kv-transfer-config names its kv_role",
+    )
     add("--url", metavar="URL", help="the node's base URL, http://HOST:PORT or https://HOST:PORT (required)")
     add("--cluster", default=CLUSTER, help="cluster segment of the key (default: %(default)s)")
     add("--etcd-prefix", metavar="PREFIX", default=KEY_PREFIX, help="key prefix (default: %(default)s)")
@@ -183,10 +188,13 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     args = parser.parse_args(argv)
-    for flag in ("etcd", "role", "url"):
+    for flag in ("etcd", "url"):
         if not getattr(args, flag):
             raise UsageError(f"--{flag} is required (or {ENV_PREFIX}{flag.upper()})")
-    role = _role(args.role)
+    kv_role, kv_connector = child_transfer(command) if command else (None, None)
+    if not args.role and not command:
+        raise UsageError(f"--role is required (or {ENV_PREFIX}ROLE)")
+    role = node_role(_role(args.role) if args.role else None, kv_role)
     url = _url(args.url)
     layout, node_id = _key(args, role, url)
     models = _models(args.models)
@@ -211,6 +219,7 @@ def parse_command_line(argv: Sequence[str]) -> tuple[RegistrarSettings, int]:
         command=command,
         kv_events=kv_events,
         kv_events_replay=kv_replay,
+        kv_connector=kv_connector,
     )
     return settings, _log_level(args.log_level)
 
@@ -231,7 +240,7 @@ def _role(text: str) -> Role:
     try:
         return Role(text)
     except ValueError:
-        raise UsageError(f"--role must be prefill, decode or mixed, not {text!r}") from None
+        raise UsageError(f"--role must be prefill, decode, mixed or both, not {text!r}") from None
 
 
 def _url(text: str) -> str:

@@ -174,6 +174,7 @@ class Runner:
             source="registrar",
             kv_events=s.kv_events or "",
             kv_events_replay=s.kv_events_replay or "",
+            kv_connector=s.kv_connector or "",
         )
         set_cards(record, probe.cards)
         registration = Registration(client, key=s.key, ttl=s.ttl, record=record)

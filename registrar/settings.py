@@ -23,7 +23,7 @@ class RegistrarSettings:
     etcd: EtcdSettings
     """Endpoints, timeouts, TLS and auth for the etcd cluster."""
     role: Role
-    """prefill, decode or mixed: the role segment of the key."""
+    """prefill, decode, mixed or both: the role segment of the key."""
     url: str
     """Base URL of the node's HTTP server, without a trailing slash; probed and written into the record."""
     node_tls: NodeTlsSettings
@@ -55,6 +55,8 @@ class RegistrarSettings:
     """``tcp://HOST:PORT`` of the node's KV-event publisher, written into the record (None: none)."""
     kv_events_replay: str | None
     """``tcp://HOST:PORT`` of its replay socket (None: none)."""
+    kv_connector: str | None
+    """The child's KV connector (its ``--kv-transfer-config``'s ``kv_connector``), for the record (None: unknown)."""
 
     @property
     def key(self) -> str:

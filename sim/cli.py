@@ -107,8 +107,16 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--role",
         str,
-        "mixed",
-        "prefill, decode, both (either leg, or whole requests) or mixed (mixed ignores kv_transfer_params)",
+        "",
+        "prefill, decode, both (either leg, or whole requests) or mixed (mixed ignores kv_transfer_params); "
+        "default: as --kv-transfer-config's kv_role says, else mixed",
+    )
+    add(
+        "--kv-transfer-config",
+        str,
+        "",
+        "vLLM's KVTransferConfig JSON: its kv_role kv_producer, kv_consumer or kv_both makes the node prefill, "
+        "decode or both",
     )
     add("--node-id", str, "", "node id (default host:port)")
     add("--ttft", float, 0.02, "seconds to the first token")
@@ -254,14 +262,33 @@ def _loras(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[L
     return loras + tuple((name, path) for name, path, _ in found), found
 
 
+KV_ROLES = {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE, "kv_both": Role.BOTH}
+"""vLLM's kv_role -> the side of the exchange the node takes."""
+
+
+def _role(parser: argparse.ArgumentParser, given: str, transfer_config: str) -> Role:
+    """--role, else the --kv-transfer-config's kv_role, else mixed; a usage error when they disagree."""
+    kv_role: Role | None = None
+    if transfer_config:
+        try:
+            config = json.loads(transfer_config)
+            kv_role = KV_ROLES[config["kv_role"]]
+        except (ValueError, TypeError, KeyError):
+            parser.error(f"--kv-transfer-config must be a JSON object with kv_role one of {', '.join(KV_ROLES)}")
+    try:
+        role = Role(given) if given else kv_role or Role.MIXED
+    except ValueError:
+        parser.error(f"--role must be one of {', '.join(Role)}")
+    if kv_role is not None and role not in (kv_role, Role.MIXED) and kv_role is not Role.BOTH:
+        parser.error(f"--role {role} does not fit --kv-transfer-config's kv_role")
+    return role
+
+
 def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Role:
     """Exit with a usage error for a value the node cannot run with; returns the role."""
     if args.max_loras < 1:
         parser.error("need --max-loras >= 1")
-    try:
-        role = Role(args.role)
-    except ValueError:
-        parser.error(f"--role must be one of {', '.join(Role)}")
+    role = _role(parser, args.role, args.kv_transfer_config)
     if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
         parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
     amounts = [args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown]

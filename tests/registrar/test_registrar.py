@@ -85,6 +85,30 @@ BAD_FLAGS = {
     "-- without a command": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--"],
     "kv events not tcp": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--kv-events", "ipc:///tmp/kv"],
     "kv replay alone": ["--role", "decode", "--url", "http://127.0.0.1:8100", "--kv-events-replay", "tcp://h:1"],
+    "no role, no child": ["--url", "http://127.0.0.1:8100"],
+    "no role, a child without a kv_role": ["--url", "http://127.0.0.1:8100", "--", "vllm", "serve", "m"],
+    "role both, a child that only prefills": [
+        "--role",
+        "both",
+        "--url",
+        "http://127.0.0.1:8100",
+        "--",
+        "vllm",
+        "serve",
+        "m",
+        "--kv-transfer-config",
+        '{"kv_connector": "NixlConnector", "kv_role": "kv_producer"}',
+    ],
+    "child's kv_role unknown": [
+        "--url",
+        "http://127.0.0.1:8100",
+        "--",
+        "vllm",
+        "serve",
+        "m",
+        "--kv-transfer-config",
+        '{"kv_role": "kv_everything"}',
+    ],
     "child kv config not JSON": [
         "--role",
         "decode",
@@ -179,6 +203,27 @@ def test_kv_event_endpoints_go_into_the_record_with_a_wildcard_host_named(
     registrars(node.url, "--kv-events", "tcp://*:5557", "--kv-events-replay", f"tcp://{HOST}:5558")
     entry = wait_for_key(etcd, decode_key(node.host_port))
     assert (entry.record["kv_events"], entry.record["kv_events_replay"]) == (f"tcp://{HOST}:5557", f"tcp://{HOST}:5558")
+
+
+def test_a_both_node_registers_under_the_role_both(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
+) -> None:
+    node = sims(role="both")
+    registrars(node.url, role="both")
+    entry = wait_for_key(etcd, f"/vllm/default/both/{node.host_port}")
+    assert entry.record["role"] == "both"
+
+
+def test_wrapper_mode_takes_the_role_from_the_childs_kv_transfer_config(
+    etcd: EtcdServer, registrars: StartRegistrar
+) -> None:
+    port = free_port()
+    config = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
+    child = python_module("vllm_etcd_proxy.sim", "--host", HOST, "--port", str(port), "--kv-transfer-config", config)
+    registrars(f"http://{HOST}:{port}", role=None, command=tuple(child))
+    entry = wait_for_key(etcd, f"/vllm/default/both/{HOST}:{port}", timeout=20)
+    assert (entry.record["role"], entry.record["kv_connector"]) == ("both", "NixlConnector")
+    assert httpx.get(f"http://{HOST}:{port}/sim/config", timeout=5).json()["role"] == "both"  # the sim read it too
 
 
 def test_key_expires_with_its_lease_after_the_registrar_is_killed(

@@ -59,7 +59,8 @@ def wait_for_no_key(etcd: EtcdServer, key: str, timeout: float = 10.0) -> None:
 
 
 class Registrar(Proc):
-    """A registrar process for the node at ``url``; stdout+stderr (and a wrapped child's) go to its log."""
+    """A registrar process for the node at ``url``; stdout+stderr (and a wrapped child's) go to its log. ``role``
+    None: no ``--role`` (wrapper mode reads it from the child's ``--kv-transfer-config``)."""
 
     def __init__(
         self,
@@ -67,7 +68,7 @@ class Registrar(Proc):
         url: str,
         log_dir: Path,
         *flags: str,
-        role: str = "decode",
+        role: str | None = "decode",
         ttl: int = 10,
         command: tuple[str, ...] = (),
         name: str = "registrar",
@@ -77,8 +78,7 @@ class Registrar(Proc):
             "vllm_etcd_proxy.registrar",
             "--etcd",
             etcd.endpoint,
-            "--role",
-            role,
+            *(("--role", role) if role is not None else ()),
             "--url",
             url,
             "--ttl",
