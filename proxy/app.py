@@ -40,6 +40,7 @@ from vllm_etcd_proxy.proxy.kvcache.nodes import KvSubscribers
 from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
+from vllm_etcd_proxy.proxy.operations.elasticmetrics import ElasticCollector
 from vllm_etcd_proxy.proxy.operations.hangup import Hangup
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
@@ -273,6 +274,7 @@ class Replica:
             PoolCollector(self.pool, self.discovery_state),
             NodeCollector(self.pool),
             KvCollector(self.kv_subscribers, self.kv_routing),
+            ElasticCollector(self.pool, self.elastic),
         ]
 
     # -- the request path ---------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Each flow is a class with one method, ``open(request, avoid)``, that sends the r
 forwarder and returns the node's open response (or its error answer, read whole):
 
 - ``OneLeg``: to a node of the model, the body byte for byte (``mixed``; ``decode`` when so little of a
-  disaggregated model's prompt is new that a prefill leg would cost more than it saves; ``local`` when
-  routing/elastic.py runs a request to ``both`` nodes on one of them);
+  disaggregated model's prompt is new that a prefill leg would cost more than it saves);
+- ``Alone``: a request to ``both`` nodes that routing/elastic.py runs on one of them (``local``);
 - ``DisaggregatedFlow`` (disagg.py): vLLM's prefill -> decode exchange (``disagg``; ``split`` between ``both``
   nodes, on the nodes routing/elastic.py ranked);
 - ``WithAdapter``: a registered LoRA adapter loaded on a node first (serving/adapters.py), then ``OneLeg``,
@@ -61,6 +61,23 @@ class OneLeg:
 
     async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
         leg = Leg(roles=self._roles, body=request.raw, timeout=self._timeout, narrow=True)
+        return await self._forwarder.open(request, leg, avoid)
+
+
+class Alone:
+    """A request to ``both`` nodes that routing/elastic.py runs on one node: the node it ranked first that takes
+    it (``request.plan.alone``), else the one the role's policy picks."""
+
+    mode = "local"
+    __slots__ = ("_forwarder", "_timeout")
+
+    def __init__(self, forwarder: Forwarder, timeout: float) -> None:
+        self._forwarder, self._timeout = forwarder, timeout
+
+    async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
+        plan = request.plan
+        order = plan.alone if plan is not None and plan.alone else None
+        leg = Leg(roles=LOCAL_ROLES, body=request.raw, timeout=self._timeout, order=order)
         return await self._forwarder.open(request, leg, avoid)
 
 
@@ -137,7 +154,7 @@ class Flows:
         self.mixed = OneLeg("mixed", MIXED_ROLES, forwarder, first_byte_timeout)
         self.decode = OneLeg("decode", DECODE_FIRST, forwarder, first_byte_timeout)
         self.disaggregated = DisaggregatedFlow(forwarder, first_byte_timeout, prefill_timeout)
-        self.local = OneLeg("local", LOCAL_ROLES, forwarder, first_byte_timeout)
+        self.local = Alone(forwarder, first_byte_timeout)
         self.split = DisaggregatedFlow(forwarder, first_byte_timeout, prefill_timeout, mode="split")
         self.adapter = WithAdapter(adapters, self.mixed)
         self.adapter_disaggregated = WithAdapter(adapters, self.disaggregated, DISAGGREGATED)
@@ -187,7 +204,7 @@ class Flows:
             prompt=request.prompt,
             new_tokens=request.uncached_tokens,
             max_tokens=limit if isinstance(limit, int) and not isinstance(limit, bool) else None,
-            key=request.affinity or request.request_id,
+            model=model,
         )
         plan = request.plan = self._elastic.plan(ask, prefill, decode)
         return self.split if plan.split else self.local
