@@ -84,7 +84,7 @@ class StackProxy:
 
 @dataclass
 class LocalStack:
-    """etcd + ``prefill`` and ``decode`` simulated nodes (each under a registrar) + ``replicas`` proxies."""
+    """etcd + ``prefill``, ``decode`` and ``both`` simulated nodes (each under a registrar) + ``replicas`` proxies."""
 
     work_dir: Path
     """Scratch space (etcd's data dir goes here); created if missing."""
@@ -92,6 +92,7 @@ class LocalStack:
     """One ``NAME.log`` per process."""
     prefill: int = 2
     decode: int = 2
+    both: int = 0
     replicas: int = 2
     model: str = "sim-model"
     sim_flags: tuple[str, ...] = ()
@@ -122,7 +123,7 @@ class LocalStack:
         self.etcd = EtcdServer(self.work_dir / "etcd-data", self.log_dir)
         self.etcd.start()
         # Nodes and replicas start together: the replicas pick the nodes up from the watch as they register.
-        for role, count in (("prefill", self.prefill), ("decode", self.decode)):
+        for role, count in (("prefill", self.prefill), ("decode", self.decode), ("both", self.both)):
             for i in range(1, count + 1):
                 self.nodes.append(self._start_node(role, f"{role}-{i}"))
         for i in range(1, self.replicas + 1):
