@@ -102,3 +102,42 @@ def test_the_dashboard_renders_the_fleet_in_a_real_browser_without_console_error
         if ":ERROR:" in line and ("javascript" in line.lower() or "Uncaught" in line)
     ]
     assert not errors, errors
+
+
+@pytest.fixture
+def both_fleet(logs_dir: Path) -> Iterator[tuple[ProxyProc, list[SimNode]]]:
+    nodes = [SimNode(logs_dir, f"both-{i}", role="both") for i in range(2)]
+    proxy = None
+    try:
+        for node in nodes:
+            node.start()
+        proxy = ProxyProc(logs_dir, "--both", *(n.host_port for n in nodes), "--scrape-load", "0.2")
+        for node in nodes:
+            proxy.wait_routable("both", node.host_port)
+        yield proxy, nodes
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for node in nodes:
+            node.stop()
+
+
+def test_the_dashboard_shows_both_nodes_and_how_requests_to_them_are_split(
+    both_fleet: tuple[ProxyProc, list[SimNode]], tmp_path: Path
+) -> None:
+    proxy, nodes = both_fleet
+    long = " ".join(f"w{i}" for i in range(600))
+    answer = proxy.post("/v1/completions", json={"model": MODEL, "prompt": long, "max_tokens": 2})
+    assert answer.status_code == 200 and "x-sim-prefill-engine" in answer.headers  # split
+    done = headless(f"{proxy.url}/dashboard", tmp_path, "--dump-dom")
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    for node in nodes:
+        assert node.host_port in dom
+    assert ">both<" in dom, "the nodes' role"
+    assert 'id="elastic-nodes-tile" hidden' not in dom and 'id="elastic-split-tile" hidden' not in dom
+    tile = re.search(r'id="elastic-nodes">([^<]*)<', dom)
+    assert tile is not None and re.fullmatch(r"\d+ · \d+ · \d+", tile.group(1)), tile
+    assert "legs / s" in dom
+    console = [line for line in done.stderr.splitlines() if "CONSOLE" in line]
+    assert not console, console
