@@ -58,9 +58,9 @@ class PhaseSpec:
 
 
 PHASES = (
-    PhaseSpec("prompt-heavy", 6.0, 1500, 16),
-    PhaseSpec("decode-heavy", 12.0, 40, 200),
-    PhaseSpec("mixed", 6.0, 1000, 100),
+    PhaseSpec("prompt-heavy", 3.0, 1500, 16),
+    PhaseSpec("decode-heavy", 6.0, 40, 200),
+    PhaseSpec("mixed", 3.0, 1000, 100),
 )
 QUICK = {"phase_seconds": 6.0, "load_scale": 0.5}
 
@@ -410,13 +410,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--phase-seconds", type=float, default=120.0, help="seconds of each phase (120)")
     add("--load-scale", type=float, default=1.0, help="multiplies every phase's arrival rate (1)")
     add("--replicas", type=int, default=2, help="proxy replicas, requests alternating over them (2)")
-    add("--ttft-target", type=float, default=2.0, help="seconds to the first token a good request stays within (2)")
-    add(
-        "--tpot-target", type=float, default=0.04, help="mean seconds between tokens a good request stays within (0.04)"
-    )
-    add("--ttft", type=float, default=0.01, help="the nodes' fixed seconds to a first token (0.01)")
-    add("--itl", type=float, default=0.02, help="the nodes' seconds between tokens alone (0.02)")
-    add("--prefill-per-token", type=float, default=0.0002, help="the nodes' seconds per prompt token (0.0002)")
+    add("--ttft-target", type=float, default=4.0, help="seconds to the first token a good request stays within (4)")
+    add("--tpot-target", type=float, default=0.08, help="mean seconds between tokens a good request stays in (0.08)")
+    add("--ttft", type=float, default=0.02, help="the nodes' fixed seconds to a first token (0.02)")
+    add("--itl", type=float, default=0.04, help="the nodes' seconds between tokens alone (0.04)")
+    add("--prefill-per-token", type=float, default=0.0004, help="the nodes' seconds per prompt token (0.0004)")
     add("--prefill-chunk", type=int, default=256, help="the nodes' prompt tokens per step beside decodes (256)")
     add("--batch-slowdown", type=float, default=0.01, help="each other running sequence slows a step by this (0.01)")
     add("--max-num-seqs", type=int, default=24, help="the nodes' sequences at once (24)")

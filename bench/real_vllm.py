@@ -10,7 +10,9 @@ asked the same questions, and two real ``vllm serve`` at a time, each under ``vl
    started late must index the blocks the nodes already hold; model cards, the Responses API across the two
    replicas, token ids (return_token_ids, streamed chat's prompt_token_ids, resuming from ids), kv-aware routing;
 2. a prefill/decode pair over NixlConnector: the decode node's external_kv_transfer prompt tokens grow when
-   the proxy runs the exchange.
+   the proxy runs the exchange;
+3. a pair of ``kv_both`` nodes (their role read from ``--kv-transfer-config``): a long prompt split one way, a
+   longer one starting with it the other way (prefilled where its start is cached), a short one on one node.
 
 One PASS/FAIL line per check, with the evidence; exit status 1 when any failed. About 2 minutes to install
 the first time, then 5-8 minutes a run on 2 cores. Run: ``make real-vllm`` or ``python -m bench.real_vllm``.
@@ -41,7 +43,7 @@ from vllm_etcd_proxy.sim.vocab import HfVocab
 ROOT = Path(__file__).resolve().parent.parent
 INSIDE = "--inside-namespace"
 WARM_UP_TRIES = 3
-PHASES = ("mixed", "pd")
+PHASES = ("mixed", "pd", "both")
 
 
 class Report:
@@ -168,6 +170,22 @@ def _run_pd(fleet: Fleet, env: RealVllm, etcd: Server, report: Report) -> None:
         checks.run_all(pd, report.record)
 
 
+def _run_both(fleet: Fleet, env: RealVllm, etcd: Server, report: Report) -> None:
+    proxies = _servers_of(fleet, "proxy1", "proxy2")
+    if len(proxies) < 2:
+        proxies.append(start_proxy(fleet, "proxy2", etcd))
+    specs = [
+        NodeSpec(name=name, role="both", kv_transfer_role="kv_both", kv_events=True, role_from_child=True)
+        for name in ("both-a", "both-b")
+    ]
+    with pair(fleet, env, etcd, specs) as nodes:
+        a, b = nodes
+        took = wait_routable(proxies, nodes)
+        note(f"both pair (NixlConnector kv_both, role read from kv_role) routable on both replicas after {took:.0f} s")
+        both = (("both nodes: KV moved both ways through the proxy", lambda: checks.check_both(proxies, a, b)),)
+        checks.run_all(both, report.record)
+
+
 def _phase(name: str, report: Report, run: Callable[[], None]) -> None:
     """A phase that cannot start (a server that does not come up) is one failed line, and the next phase runs."""
     started = time.monotonic()
@@ -195,6 +213,8 @@ def run_checks(args: argparse.Namespace) -> int:
             _phase("mixed pair", report, lambda: _run_mixed(fleet, env, etcd, r1, report))
         if "pd" in phases:
             _phase("P/D pair", report, lambda: _run_pd(fleet, env, etcd, report))
+        if "both" in phases:
+            _phase("both pair", report, lambda: _run_both(fleet, env, etcd, report))
     shutil.rmtree(logs / "etcd-data", ignore_errors=True)  # 60 MB of preallocated WAL, nothing to read
     note(f"logs in {logs}; {time.monotonic() - started:.0f} s in all")
     print(f"real-vllm: {report.passed} passed, {report.failed} failed", flush=True)

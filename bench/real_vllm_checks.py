@@ -11,7 +11,7 @@ import functools
 import json
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -443,6 +443,37 @@ def check_pd(proxies: list[Server], prefill: Node, decode: Node) -> Result:
             f"{BLOCK_TOKENS}-token prompt, prefill node served +{served:g} request(s), answer {len(text)} chars"
         )
     return ok, "; ".join(runs)
+
+
+def _split_run(proxy: Server, nodes: Sequence[Node], prompt: str) -> tuple[dict[str, float], str]:
+    """One completion through ``proxy``: each node's external_kv_transfer prompt tokens gained, and the answer."""
+    before = {n.name: external_kv_tokens(n) for n in nodes}
+    text = complete(proxy.url, prompt, 8)["choices"][0]["text"]
+    return {n.name: external_kv_tokens(n) - before[n.name] for n in nodes}, text
+
+
+def check_both(proxies: list[Server], a: Node, b: Node) -> Result:
+    """Two kv_both nodes: a long prompt is split (its decode node pulls the KV), then that prompt with as much
+    again is prefilled where its start is cached, the decode node of the first, and decoded on the other: KV
+    moved both ways. A short prompt runs on one node, with nothing pulled."""
+    nodes = (a, b)
+    first_prompt = words(BLOCK_TOKENS, "both first")
+    first, text1 = _split_run(proxies[0], nodes, first_prompt)
+    second, text2 = _split_run(proxies[0], nodes, first_prompt + " " + words(BLOCK_TOKENS, "both second"))
+    short_gain, text3 = _split_run(proxies[1], nodes, words(40, "both short"))
+    into = [max(gain, key=lambda name: gain[name]) if max(gain.values()) > 0 else None for gain in (first, second)]
+    ok = all(into) and into[0] != into[1] and not any(short_gain.values()) and all((text1, text2, text3))
+
+    def gains(gain: dict[str, float]) -> str:
+        return ", ".join(f"{name} +{tokens:g}" for name, tokens in gain.items())
+
+    evidence = (
+        f"external_kv_transfer prompt tokens: {BLOCK_TOKENS}-token prompt through {proxies[0].name}: {gains(first)}"
+        f" (decoded on {into[0]}); that prompt + {BLOCK_TOKENS} more: {gains(second)} (decoded on {into[1]}); "
+        f"a 40-token prompt through {proxies[1].name}: {gains(short_gain)} (run on one node); "
+        f"answers {len(text1)}, {len(text2)}, {len(text3)} chars"
+    )
+    return ok, evidence
 
 
 def bound(table: Iterable[tuple[str, Callable[[Mixed], Result]]], m: Mixed) -> list[tuple[str, Callable[[], Result]]]:

@@ -71,7 +71,9 @@ class NodeSpec:
     kv_events: bool = False
     lora: bool = False
     kv_transfer_role: str | None = None
-    """NixlConnector's kv_role (kv_producer, kv_consumer) for a P/D node."""
+    """NixlConnector's kv_role (kv_producer, kv_consumer, kv_both) for a P/D or both node."""
+    role_from_child: bool = False
+    """No ``--role`` to the registrar: it reads the role from the child's ``kv_role`` (``role`` is what to expect)."""
     extra: Sequence[str] = field(default_factory=tuple)
 
 
@@ -119,7 +121,8 @@ def start_node(fleet: Fleet, env: RealVllm, etcd: Server, spec: NodeSpec) -> Nod
     side_channel = fleet.port()
 
     def command(port: int) -> list[str]:
-        registrar = [sys.executable, "-m", "vllm_etcd_proxy.registrar", "--etcd", etcd.url, "--role", spec.role]
+        registrar = [sys.executable, "-m", "vllm_etcd_proxy.registrar", "--etcd", etcd.url]
+        registrar += [] if spec.role_from_child else ["--role", spec.role]
         registrar += ["--url", f"http://{HOST}:{port}", *(a for pair in REGISTRAR_FLAGS for a in pair)]
         vllm = ["setpriv", "--pdeathsig", "TERM", "--", str(env.vllm), *_serve_args(env, spec, port, events)]
         return [*registrar, "--", *vllm]
