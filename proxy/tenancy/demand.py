@@ -1,19 +1,22 @@
 """What a replica's tenants asked of it lately, and the record it publishes about them in its ``replicas/{id}`` key.
 
 Demand is what a tenant asked, admitted or not: requests and (estimated) tokens as rates that decay with a time
-constant of ``TAU`` seconds, and the most requests it wanted in flight at once, decaying alike. Every replica reads
+constant of ``TAU`` seconds, and the requests it would have in flight. Every replica reads
 the others' records (replicas.py) and splits each limit in proportion (shares.py).
 
 A record is JSON, one entry per tenant with a limit that asked something lately::
 
-    {"tenants": {"team-a": {"rpm": 610, "rpm_fill": 0.02, "tpm": 51000, "tpm_fill": 0.4,
-                            "concurrency": 5, "running": 4}}}
+    {"tenants": {"team-a": {"rpm": 610, "rpm_fill": 0.02, "rpm_cap": 590, "tpm": 51000, "tpm_fill": 0.4,
+                            "tpm_cap": 190000, "tpm_gave": 0.5, "concurrency": 5, "running": 4}}}
 
 ``rpm`` and ``tpm``: what it asked per minute; ``*_fill``: how full this replica's bucket of that limit is (1 full,
-below 0 in debt); ``concurrency``: the most requests it wanted in flight at once lately; ``running``: how many run
-now. Fields a limit does not have are left out. A tenant absent from a record asked nothing lately, its buckets
-there are full and it runs nothing there. Values are rounded (two significant digits, fills to 0.02) so that a
-record changes only when something did.
+below 0 in debt), ``*_cap`` its capacity (this replica's share, or the larger one it is about to take),
+``*_gave`` its fill when its share last shrank (1 when it never did); ``concurrency``: how many requests it
+would have in flight here if none were refused (what it asks a second times how long a request holds a slot,
+and at least the most it wanted at once lately); ``running``: how many run now. Fields a limit does not have,
+and values at their default, are left out. A tenant absent from a record asked nothing lately, its buckets
+there are full and it runs nothing there. A demand is published again only when it moved by more than a quarter
+(``Steady``), fills rounded to 0.02, so that a record changes only when something did.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
-TAU = 5.0
+TAU = 2.0
 """Seconds over which demand fades by a factor e: how fast shares follow traffic that moves to another replica."""
+STEADY = 1.25
+"""A published demand changes when the measured one is more than this factor away from it."""
 _FILL_STEP = 0.02
 
 
@@ -56,14 +61,34 @@ class Decaying:
         self.at = now
 
 
+class Steady:
+    """A demand as published: it follows the measure only once that moved by more than a factor ``STEADY``.
+    A steady tenant's split then stays put: every change of split hands part of a bucket to replicas that may
+    not give it back as full (a replica that gives takes at once, one that receives a second and a half later)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def follow(self, measured: float) -> float:
+        if not measured or not self.value or not 1 / STEADY <= measured / self.value <= STEADY:
+            self.value = rounded(measured)
+        return self.value
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TenantReport:
     """One tenant's entry in a replica's record (see the module's docstring)."""
 
     rpm: float = 0.0
     rpm_fill: float = 1.0
+    rpm_cap: float = 0.0
+    rpm_gave: float = 1.0
     tpm: float = 0.0
     tpm_fill: float = 1.0
+    tpm_cap: float = 0.0
+    tpm_gave: float = 1.0
     concurrency: float = 0.0
     running: int = 0
 
@@ -72,11 +97,19 @@ class TenantReport:
         value: float = getattr(self, kind)
         return value
 
-    def fill(self, kind: str) -> float:
-        value: float = getattr(self, f"{kind}_fill")
+    def given_fill(self, kind: str, share: float) -> float:
+        """How full the part this replica gave of its ``share`` of the ``kind`` limit was: its bucket's fill
+        while it holds that share still (it has not spent since, or it would have followed), else its fill when
+        it last gave (1 when it never gave: a share above the one its bucket started with was never used)."""
+        cap: float = getattr(self, f"{kind}_cap")
+        if not cap or cap >= share * (1 - 1e-6):
+            value: float = getattr(self, f"{kind}_fill")
+        else:
+            value = getattr(self, f"{kind}_gave")
         return value
 
 
+_FILLS = ("_fill", "_gave")
 NO_REPORT = TenantReport()
 """What a record without the tenant says: nothing asked, buckets full, nothing running."""
 _DEFAULTS = asdict(NO_REPORT)
@@ -123,14 +156,8 @@ def _report(tenant: str, fields: object) -> TenantReport:
         given = fields.get(name, default)
         if isinstance(given, bool) or not isinstance(given, int | float) or not math.isfinite(given):
             raise InvalidRecord(f"tenant {tenant!r}: {name} must be a number")
-        if given < 0 and not name.endswith("_fill"):
+        if given < 0 and not name.endswith(_FILLS):
             raise InvalidRecord(f"tenant {tenant!r}: {name} must be 0 or more")
-        values[name] = min(float(given), 1.0) if name.endswith("_fill") else float(given)
-    return TenantReport(
-        rpm=values["rpm"],
-        rpm_fill=values["rpm_fill"],
-        tpm=values["tpm"],
-        tpm_fill=values["tpm_fill"],
-        concurrency=values["concurrency"],
-        running=int(values["running"]),
-    )
+        values[name] = min(float(given), 1.0) if name.endswith(_FILLS) else float(given)
+    running = int(values.pop("running"))
+    return TenantReport(**values, running=running)

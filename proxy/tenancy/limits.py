@@ -10,10 +10,11 @@ When the shares move, what is left in the buckets moves with them, so that the f
 bucket's worth: a replica whose share shrinks keeps its bucket as full as it was, in proportion; one whose share
 grows gets the new part as full as the buckets of the replicas that gave it up were (their records say). A
 bucket's fill then changes at 1/60 a second whatever its share, so a replica can follow its shares lazily, when
-the tenant next asks. A share that grows is taken ``SETTLE`` seconds after it was first seen (by then every
-replica that gave it up has seen that and published what it spent and how many of its requests still run), or
-at once when they are known to hold nothing of the tenant (their records have none of it and are older than a
-publish takes); a concurrency share never takes slots that another replica's requests still hold.
+the tenant next asks. A share that grows is taken ``SETTLE`` seconds after it was first seen: by then every
+replica that gave it up has seen that and published its state after it (its fill, and its fill when it gave),
+so what it spent in its last second before is not handed on as unspent. It is taken at once when they are known
+to hold nothing of the tenant (their records have none of it and are older than a publish takes). A concurrency
+share never takes slots that another replica's requests still hold.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_etcd_proxy.proxy.errors import RateLimited
-from vllm_etcd_proxy.proxy.tenancy.demand import Decaying, TenantReport, rounded, rounded_fill
+from vllm_etcd_proxy.proxy.tenancy.demand import Decaying, Steady, TenantReport, rounded, rounded_fill
 from vllm_etcd_proxy.proxy.tenancy.keys import Limits
 from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 
@@ -35,6 +36,8 @@ CONCURRENCY_RETRY = 1
 SETTLE = 1.5
 """Seconds before a replica takes a larger share: longer than a record takes to be published (1 s) and watched,
 so that what the replicas that gave it up spent or still run is in their records by then."""
+HELD_WEIGHT = 0.2
+"""Weight of the latest request in the moving average of how long requests hold a slot."""
 IDLE = 1e-3
 """A demand below this part of the limit (and a full bucket, nothing running) is no longer published."""
 
@@ -53,7 +56,7 @@ class Bucket:
     """A token bucket whose capacity is this replica's share of a per-minute limit; ``follow`` moves it to the
     share of a new split (by replica), the level with it."""
 
-    __slots__ = ("level", "at", "capacity", "split", "rising")
+    __slots__ = ("level", "at", "capacity", "split", "rising", "target", "gave")
 
     def __init__(self) -> None:
         self.level = 0.0
@@ -62,11 +65,19 @@ class Bucket:
         self.split: Mapping[str, float] | None = None
         """The split last followed (None: never used on this replica)."""
         self.rising: float | None = None
-        """Since when a larger share waits to be taken."""
+        """Since when a larger share (``target``) waits to be taken."""
+        self.target = 0.0
+        self.gave = 1.0
+        """The fill when the share last shrank (the part given was that full)."""
 
     @property
     def fill(self) -> float:
         return self.level / self.capacity if self.capacity > 0 else 1.0
+
+    @property
+    def claimed(self) -> float:
+        """The share this bucket holds or is about to take (what the others must not count as given)."""
+        return max(self.capacity, self.target) if self.rising is not None else self.capacity
 
     def refill(self, now: float) -> float:
         if self.capacity > 0:
@@ -80,18 +91,20 @@ class Bucket:
         me = fleet.me
         new = split.get(me, 0.0)
         if self.split is None:
-            # First use here: as full as the others' buckets are (a tenant nobody has seen: full).
-            self.level = new * _fill_given(split, {}, me, fleet, tenant, kind, default=1.0)
-            self.capacity, self.split, self.at = new, split, now
+            # First use here: full, as the share was while no bucket held it.
+            self.level, self.capacity, self.split, self.at = new, new, split, now
             return
         old = self.capacity
         self.refill(now)
         if new > old:
-            self.rising = now if self.rising is None else self.rising
+            if self.rising is None:
+                self.rising = now
+            self.target = new
             if now - self.rising < SETTLE and not fleet.quiet_givers(self.split, split, tenant, now):
-                return  # the givers may have spent what their records do not show yet
+                return  # what the givers spent in their last second is in their records only by then
             self.level += (new - old) * _fill_given(self.split, split, me, fleet, tenant, kind, default=self.fill)
         elif new < old:
+            self.gave = self.fill
             self.level *= new / old
         self.capacity, self.split, self.rising = new, split, None
 
@@ -120,7 +133,8 @@ def _fill_given(
     total = math.fsum(given.values())
     if total <= 0:
         return default
-    return math.fsum(fleet.fill(r, tenant, kind) * part for r, part in given.items()) / total
+    parts = (fleet.given_fill(r, tenant, kind, old[r]) * part for r, part in given.items())
+    return math.fsum(parts) / total
 
 
 class Slots:
@@ -156,7 +170,18 @@ class Slots:
 class TenantCounters:
     """One tenant's use of this replica: kept across key reloads while the tenant exists."""
 
-    __slots__ = ("requests", "tokens", "slots", "running", "asked", "asked_tokens", "wanted", "reported")
+    __slots__ = (
+        "requests",
+        "tokens",
+        "slots",
+        "running",
+        "asked",
+        "asked_tokens",
+        "wanted",
+        "held",
+        "published",
+        "reported",
+    )
 
     def __init__(self) -> None:
         self.requests = Bucket()
@@ -166,37 +191,61 @@ class TenantCounters:
         self.asked = Decaying()
         self.asked_tokens = Decaying()
         self.wanted = Decaying()
+        self.held = 0.0
+        """How long its requests held a concurrency slot here lately (seconds, a moving average; 0: none yet)."""
+        self.published = {kind: Steady() for kind in ("rpm", "tpm", "concurrency")}
         self.reported = False
         """This replica's record has the tenant (else its next request wakes the publisher)."""
 
     def ask(self, limits: Limits, estimate: int, now: float) -> None:
         """A request arrived: it counts as demand whether it is admitted or not."""
-        if limits.rpm:
+        if limits.rpm or limits.concurrency:
             self.asked.add(1, now)
         if limits.tpm:
             self.asked_tokens.add(estimate, now)
         if limits.concurrency:
             self.wanted.reach(self.running + 1, now)
 
+    def released(self, held: float) -> None:
+        """A request that held a concurrency slot for ``held`` seconds ended."""
+        self.held = held if not self.held else self.held + HELD_WEIGHT * (held - self.held)
+
+    def concurrency_demand(self, now: float) -> float:
+        """Requests it would have in flight here if nothing refused them: what it asks a second times how long a
+        request holds a slot (Little's law), and at least the most it wanted at once lately."""
+        return max(self.wanted.read(now), self.asked.read(now) * self.held)
+
     def report(self, limits: Limits, now: float) -> TenantReport | None:
         """The tenant's entry in this replica's record, None once it asked nothing lately and holds nothing."""
-        rpm = rounded(self.asked.read(now) * WINDOW) if limits.rpm else 0.0
-        tpm = rounded(self.asked_tokens.read(now) * WINDOW) if limits.tpm else 0.0
-        wanted = rounded(self.wanted.read(now)) if limits.concurrency else 0.0
-        rpm_fill = rounded_fill(_fill_now(self.requests, now)) if limits.rpm else 1.0
-        tpm_fill = rounded_fill(_fill_now(self.tokens, now)) if limits.tpm else 1.0
+        published = self.published
+        rpm = published["rpm"].follow(self.asked.read(now) * WINDOW) if limits.rpm else 0.0
+        tpm = published["tpm"].follow(self.asked_tokens.read(now) * WINDOW) if limits.tpm else 0.0
+        wanted = published["concurrency"].follow(self.concurrency_demand(now)) if limits.concurrency else 0.0
+        requests = _bucket_fields(self.requests, now) if limits.rpm else (1.0, 0.0, 1.0)
+        tokens = _bucket_fields(self.tokens, now) if limits.tpm else (1.0, 0.0, 1.0)
         idle = rpm <= limits.rpm * IDLE and tpm <= limits.tpm * IDLE and wanted < 0.5
-        if idle and rpm_fill >= 1.0 and tpm_fill >= 1.0 and not self.running:
+        if idle and requests[0] >= 1.0 and tokens[0] >= 1.0 and not self.running:
             self.reported = False
             return None
         self.reported = True
         return TenantReport(
-            rpm=rpm, rpm_fill=rpm_fill, tpm=tpm, tpm_fill=tpm_fill, concurrency=wanted, running=self.running
+            rpm=rpm,
+            rpm_fill=requests[0],
+            rpm_cap=requests[1],
+            rpm_gave=requests[2],
+            tpm=tpm,
+            tpm_fill=tokens[0],
+            tpm_cap=tokens[1],
+            tpm_gave=tokens[2],
+            concurrency=wanted,
+            running=self.running,
         )
 
 
-def _fill_now(bucket: Bucket, now: float) -> float:
-    return bucket.refill(now) / bucket.capacity if bucket.capacity > 0 else 1.0
+def _bucket_fields(bucket: Bucket, now: float) -> tuple[float, float, float]:
+    """(fill, capacity, fill when it last gave) as a record has them."""
+    fill = bucket.refill(now) / bucket.capacity if bucket.capacity > 0 else 1.0
+    return rounded_fill(fill), rounded(bucket.claimed), rounded_fill(bucket.gave)
 
 
 def estimate_tokens(raw_length: int, body: dict[str, Any] | None) -> int:
@@ -215,20 +264,28 @@ def estimate_tokens(raw_length: int, body: dict[str, Any] | None) -> int:
 class Grant:
     """An admitted request's claim on its tenant: the limits it started with, what it reserved."""
 
-    __slots__ = ("counters", "limits", "reserved", "headers")
+    __slots__ = ("counters", "limits", "reserved", "headers", "started")
 
     def __init__(
-        self, counters: TenantCounters, limits: Limits, reserved: int, headers: list[tuple[bytes, bytes]]
+        self,
+        counters: TenantCounters,
+        limits: Limits,
+        reserved: int,
+        headers: list[tuple[bytes, bytes]],
+        started: float,
     ) -> None:
         self.counters = counters
         self.limits = limits
         self.reserved = reserved
         self.headers = headers
+        self.started = started
 
     def finish(self, tokens: int | None) -> None:
         """The request ended: ``tokens`` used per the node (None: what was reserved stands)."""
         counters = self.counters
         counters.running -= 1
+        if self.limits.concurrency:
+            counters.released(time.monotonic() - self.started)
         if self.limits.tpm and tokens is not None:
             counters.tokens.level += self.reserved - tokens
 
@@ -256,7 +313,7 @@ def admit(counters: TenantCounters, limits: Limits, fleet: Fleet, estimate: int,
         counters.tokens.level -= estimate
     counters.running += 1
     headers = _headers(counters, limits, now) if limits.rpm or limits.tpm else {}
-    return Grant(counters, limits, reserved, [(k.encode(), v.encode()) for k, v in headers.items()])
+    return Grant(counters, limits, reserved, [(k.encode(), v.encode()) for k, v in headers.items()], now)
 
 
 def _check_concurrency(counters: TenantCounters, limits: Limits, fleet: Fleet, now: float) -> None:

@@ -105,12 +105,13 @@ class Fleet:
         self._cache[(tenant, kind)] = _Cached(version, limit, decay, split)
         return split
 
-    def fill(self, replica: str, tenant: str, kind: str) -> float:
-        """How full ``replica``'s bucket of the tenant's ``kind`` is, as it last published; 0 for a replica that
-        left (what it held is not handed on: better to admit too little than too much)."""
+    def given_fill(self, replica: str, tenant: str, kind: str, share: float) -> float:
+        """How full the part of its ``share`` that ``replica`` gave up was, from its record
+        (``TenantReport.given_fill``; full when it has none of the tenant); 0 for a replica that left (what it
+        held is not handed on: better to admit too little than too much)."""
         if replica != self.me and not self.view.seen(replica):
             return 0.0
-        return self.view.report(replica, tenant).fill(kind)
+        return self.view.report(replica, tenant).given_fill(kind, share)
 
     def quiet_givers(self, old: Mapping[str, float], new: Mapping[str, float], tenant: str, now: float) -> bool:
         """Whether every replica whose share fell from ``old`` to ``new`` can hold nothing of ``tenant`` it did not

@@ -132,6 +132,18 @@ def test_a_share_that_grows_waits_while_the_replicas_that_gave_it_up_may_not_hav
     assert len(fleet.ask(0, "rate-key", 2000)) >= 290  # r1 never spent its part: handed over full
 
 
+def test_what_a_giver_spends_after_it_gave_is_not_held_against_what_it_gave() -> None:
+    fleet = Replicas(2)
+    assert len(fleet.ask(0, "rate-key", 100)) == 100  # of r0's even share, 300
+    fleet.publish()
+    assert len(fleet.ask(1, "rate-key", 15)) == 15  # r1 starts at its floor (15, full) and spends it
+    fleet.publish()  # the split follows the demand, 100 : 15
+    first = len(fleet.ask(0, "rate-key", 1))  # r0 sees its larger share, to be taken once it settled
+    time.sleep(SETTLE)
+    # r0 takes what r1 gave of its even share, never spent: full, though r1's own bucket is empty now.
+    assert first + len(fleet.ask(0, "rate-key", 2000)) >= 200 + 600 * 100 / 115 - 300 - 2
+
+
 def test_a_split_demand_shares_the_limit_and_the_tpm_bucket_alike() -> None:
     fleet = Replicas(2, settled=False)
     for _ in range(6):  # 90 / 10
