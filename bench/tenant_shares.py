@@ -9,22 +9,22 @@ file. Nine tenants run at once for ``--seconds``, each with one limit and one wa
 
 - limits: ``rpm`` (``--rpm``), ``tpm`` (``--tpm``, tokens from the answers' ``usage``), ``concurrency``
   (``--concurrency``, streams of about half a second from that many closed-loop workers and two more; what it was
-  admitted is the stream-seconds its streams ran, so that streams slower on a busier replica do not count);
+  admitted is the stream-seconds its requests held slots, as the replicas count them);
 - ``one``: every request through replica 1 (one kept-alive connection, or a balancer hashing by source);
   ``split``: 90 % through replica 1, 10 % through replica 2; ``moved``: replica 1 for the first half, then 2.
 
 Rate tenants ask at ``--demand`` times their limit (open loop). For each tenant and R the report gives what was
 admitted over the run against the same tenant with R = 1 (``minute``), the same from 2 s on (``after_2s``), the
-lowest and highest ratio of the running totals from 2 s on (``from_2s``), for concurrency the most streams the
-fleet ran at once as the client saw them (at most limit + R - 1; a stream counts until its last byte arrives, so
-one more may show while a slot changes hands), and the puts per replica per second (etcd's revision over the
-run).
+lowest and highest ratio of the running totals from 2 s on (``from_2s``), for concurrency the most requests the
+replicas ran at once (their ``vllm_proxy_tenant_in_flight`` summed, every 0.25 s; at most limit + R - 1), and the
+puts per replica per second (etcd's revision over the run).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,19 +43,19 @@ RETRY = 0.1
 """Seconds a concurrency worker waits after a 429 before it asks again."""
 
 
-SAMPLE = 0.1
-"""Seconds between two looks at a concurrency tenant's streams in flight."""
+SAMPLE = 0.25
+"""Seconds between two looks at the concurrency tenants' requests in flight on the replicas."""
 
 
 @dataclass
 class Tally:
     """One tenant's admissions: (seconds since the start, units) of each admitted request (a request, or its
-    tokens); for concurrency, (seconds, streams in flight) every ``SAMPLE`` s, and the peak."""
+    tokens); for concurrency, (seconds, stream-seconds) every ``SAMPLE`` s from the replicas' counts, and the peak
+    they showed."""
 
     admitted: list[tuple[float, float]] = field(default_factory=list)
     refused: int = 0
     failed: int = 0
-    running: int = 0
     peak: int = 0
 
     def totals(self, seconds: float) -> list[float]:
@@ -139,13 +139,8 @@ async def stream_once(client: httpx.AsyncClient, key: str, tally: Tally, at: flo
                 tally.failed += 1
                 await answer.aread()
                 return False
-            tally.running += 1
-            tally.peak = max(tally.peak, tally.running)
-            try:
-                async for _ in answer.aiter_raw():
-                    pass
-            finally:
-                tally.running -= 1
+            async for _ in answer.aiter_raw():
+                pass
     except httpx.HTTPError:
         tally.failed += 1
     return True
@@ -163,12 +158,28 @@ async def closed_loop(tenant: Tenant, clients: list[httpx.AsyncClient], args: ar
             if not await stream_once(client, key, tally, at, args.stream_tokens):
                 await asyncio.sleep(RETRY)
 
-    async def sample() -> None:
-        while (at := time.monotonic() - started) < args.seconds:
-            tally.admitted.append((at, tally.running * SAMPLE))
-            await asyncio.sleep(SAMPLE)
+    await asyncio.gather(*(worker(n) for n in range(args.concurrency + 2)))
 
-    await asyncio.gather(sample(), *(worker(n) for n in range(args.concurrency + 2)))
+
+IN_FLIGHT = re.compile(rb'^vllm_proxy_tenant_in_flight\{tenant="([^"]+)"\} (\S+)$', re.MULTILINE)
+
+
+async def in_flight(urls: list[str], tallies: dict[str, Tally], seconds: float) -> None:
+    """Every ``SAMPLE`` s, each concurrency tenant's requests in flight as the replicas count them (their
+    ``vllm_proxy_tenant_in_flight``, summed): its stream-seconds and its peak."""
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=10) as client:
+        while (at := time.monotonic() - started) < seconds:
+            pages = await asyncio.gather(*(client.get(url + "/metrics") for url in urls))
+            counts: dict[str, float] = {}
+            for page in pages:
+                for tenant, value in IN_FLIGHT.findall(page.content):
+                    counts[tenant.decode()] = counts.get(tenant.decode(), 0.0) + float(value)
+            for name, count in counts.items():
+                if name in tallies:
+                    tallies[name].admitted.append((at, count * SAMPLE))
+                    tallies[name].peak = max(tallies[name].peak, int(count))
+            await asyncio.sleep(max(0.0, started + at + SAMPLE - time.monotonic()))
 
 
 async def load(urls: list[str], args: argparse.Namespace) -> dict[str, Tally]:
@@ -188,6 +199,8 @@ async def load(urls: list[str], args: argparse.Namespace) -> dict[str, Tally]:
                     work.append(closed_loop(tenant, mine, args, tally))
                 else:
                     work.append(open_loop(tenant, mine, rates[kind], args, tally))
+        concurrency = {name: tally for name, tally in tallies.items() if name.startswith("concurrency")}
+        work.append(in_flight(urls, concurrency, args.seconds))
         await asyncio.gather(*work)
     finally:
         for client in (c for per_tenant in clients.values() for c in per_tenant):

@@ -34,10 +34,18 @@ class ShareCollector(Collector):
             "admitted or not; concurrency: the sum of each replica's recent peak of requests wanted in flight).",
             labels=["tenant", "limit"],
         )
+        in_flight = GaugeMetricFamily(
+            "vllm_proxy_tenant_in_flight",
+            "The tenant's requests (and WebSocket sessions) in flight on this replica, for its concurrency limit.",
+            labels=["tenant"],
+        )
         tenancy, now = self._tenancy, time.monotonic()
         fleet, named = tenancy.fleet, tenancy.keys.tenants()
         for tenant in sorted((tenancy.counters.keys() | fleet.view.tenants()) & named.keys()):
             limits = named[tenant]
+            counters = tenancy.counters.get(tenant)
+            if limits.concurrency:
+                in_flight.add_metric([tenant], counters.running if counters is not None else 0)
             for kind in KINDS:
                 limit: int = getattr(limits, kind)
                 if not limit:
@@ -47,6 +55,7 @@ class ShareCollector(Collector):
                 demand.add_metric([tenant, kind], fleet.demand(tenant, kind))
         yield share
         yield demand
+        yield in_flight
 
 
 def replicas_view(tenancy: Tenancy) -> dict[str, Any]:

@@ -102,7 +102,9 @@ class Bucket:
             self.target = new
             if now - self.rising < SETTLE and not fleet.quiet_givers(self.split, split, tenant, now):
                 return  # what the givers spent in their last second is in their records only by then
-            self.level += (new - old) * _fill_given(self.split, split, me, fleet, tenant, kind, default=self.fill)
+            # etcd away: the others still hold what the frozen records say they gave; only the refill grows.
+            fill = 0.0 if fleet.decay(now) else _fill_given(self.split, split, me, fleet, tenant, kind, self.fill)
+            self.level += (new - old) * fill
         elif new < old:
             self.gave = self.fill
             self.level *= new / old
@@ -124,7 +126,6 @@ def _fill_given(
     fleet: Fleet,
     tenant: str,
     kind: str,
-    *,
     default: float,
 ) -> float:
     """How full the part of the limit the other replicas gave up from ``old`` to ``new`` was, from their records
