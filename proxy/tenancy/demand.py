@@ -120,6 +120,15 @@ def rounded(value: float) -> float:
     return float(f"{value:.2g}") if value else 0.0
 
 
+def rounded_up(value: float) -> float:
+    """Three significant digits, never below ``value`` (a capacity: a replica that still holds a share must not
+    look as if it had given part of it)."""
+    if value <= 0:
+        return 0.0
+    step = 10.0 ** (math.floor(math.log10(value)) - 2)
+    return float(f"{math.ceil(value / step - 1e-9) * step:.3g}")
+
+
 def rounded_fill(fill: float) -> float:
     return round(round(fill / _FILL_STEP) * _FILL_STEP, 2)
 

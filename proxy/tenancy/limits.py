@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_etcd_proxy.proxy.errors import RateLimited
-from vllm_etcd_proxy.proxy.tenancy.demand import Decaying, Steady, TenantReport, rounded, rounded_fill
+from vllm_etcd_proxy.proxy.tenancy.demand import Decaying, Steady, TenantReport, rounded_fill, rounded_up
 from vllm_etcd_proxy.proxy.tenancy.keys import Limits
 from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 
@@ -246,7 +246,7 @@ class TenantCounters:
 def _bucket_fields(bucket: Bucket, now: float) -> tuple[float, float, float]:
     """(fill, capacity, fill when it last gave) as a record has them."""
     fill = bucket.refill(now) / bucket.capacity if bucket.capacity > 0 else 1.0
-    return rounded_fill(fill), rounded(bucket.claimed), rounded_fill(bucket.gave)
+    return rounded_fill(fill), rounded_up(bucket.claimed), rounded_fill(bucket.gave)
 
 
 def estimate_tokens(raw_length: int, body: dict[str, Any] | None) -> int:
