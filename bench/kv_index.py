@@ -6,8 +6,8 @@ Memory: ``--nodes`` nodes each announce ``--blocks`` blocks of distinct token id
 shared between nodes, so every block is a key of its own), in batches of 8-block ``BlockStored`` events as vLLM
 sends them; the figure is the growth of the process's resident memory, per million blocks.
 CPU: ``--events`` events in msgpack batches as vLLM 0.32 encodes them (stores of 1-8 blocks, one removal in
-four), decoded (kvwire.py) and applied (kvindex.py) as a subscriber does, timed with the process's CPU clock;
-the sockets' own cost (ZMQ, in C) is not in it.
+four), decoded (kvcache/wire.py) and applied (kvcache/index.py) as a subscription does, timed with the process's
+CPU clock; the sockets' own cost (ZMQ, in C) is not in it.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_etcd_proxy.proxy.discovery.kvwire import Stored, read_batch
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
+from vllm_etcd_proxy.proxy.kvcache.wire import Stored, read_batch
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -44,7 +44,7 @@ def fill(index: KvIndex, nodes: int, blocks: int, size: int) -> None:
         parent: int | None = None
         for first in range(0, blocks, 8):
             count = min(8, blocks - first)
-            hashes = [random.getrandbits(60) for _ in range(count)]  # as kvwire folds them
+            hashes = [random.getrandbits(60) for _ in range(count)]  # as kvcache/wire.py folds them
             tokens = list(range(ids, ids + count * size))
             ids += count * size
             index.apply(name, [Stored(hashes, parent, tokens, size, "")])

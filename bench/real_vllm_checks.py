@@ -21,7 +21,7 @@ import zmq
 from bench import real_vllm_wire as wire
 from bench.procs import Server
 from bench.real_vllm_stack import LORA, MODEL, Node, metric, workers
-from vllm_etcd_proxy.proxy.discovery.kvwire import Malformed, Stored, read_batch
+from vllm_etcd_proxy.proxy.kvcache.wire import Malformed, Stored, read_batch
 from vllm_etcd_proxy.sim.vocab import WORDS, HfVocab
 
 BLOCK_TOKENS = 300
@@ -141,7 +141,7 @@ def _stored_problems(event: dict[str, Any], prompt_ids: list[int]) -> list[str]:
 
 
 def _proxy_reads(frames: list[wire.Frame]) -> str:
-    """What the proxy's own reader (kvwire) makes of the same payloads."""
+    """What the proxy's own reader (kvcache/wire.py) makes of the same payloads."""
     stored = bad = 0
     try:
         for f in frames:

@@ -1,7 +1,7 @@
 """A node's KV-cache event sockets read directly with pyzmq, for ``bench.real_vllm``: the frames as they come.
 
 Nothing of the proxy is used here, so what is printed is what the node sent (the proxy's own reading of the
-same payloads is checked apart, with ``kvwire.read_batch``).
+same payloads is checked apart, with ``kvcache.wire.read_batch``).
 """
 
 from __future__ import annotations

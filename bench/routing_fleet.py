@@ -106,6 +106,7 @@ class Command(Server):
     def __init__(self, name: str, argv: Sequence[str], port: int, log_dir: Path) -> None:
         self.name = name
         self.port = port
+        self.tls = None  # plain HTTP (Server.url and wait_ready read it)
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as log:
             self.popen = subprocess.Popen(

@@ -290,9 +290,7 @@ class _Conversation:
 async def _stream(client: httpx.AsyncClient, route: Route, path: str, body: bytes, record: Turn) -> str:
     """Sends one turn and reads its SSE answer into ``record``; returns the answer's text."""
     headers = {"content-type": "application/json", **route.headers}
-    parts: list[str] = []
-    done = False
-    buffer = b""
+    answer = _Answer(record)
     async with client.stream("POST", route.url + path, content=body, headers=headers) as response:
         record.status = response.status_code
         record.node = response.headers.get(NODE_HEADER)
@@ -300,41 +298,63 @@ async def _stream(client: httpx.AsyncClient, route: Route, path: str, body: byte
             text = (await response.aread())[:200].decode(errors="replace")
             raise BadAnswer(f"status {response.status_code}: {text}")
         async for chunk in response.aiter_raw():
-            now = time.perf_counter()  # before parsing: the parser's cost is not the server's delay
-            buffer += chunk
-            if b"\n\n" not in buffer:
-                continue
-            *events, buffer = buffer.split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: "):
-                    continue  # an SSE comment or keep-alive
-                data = event[6:]
-                if data == b"[DONE]":
-                    done = True
-                    continue
-                obj = orjson.loads(data)
-                if "error" in obj:
-                    raise BadAnswer(f"error event: {str(obj['error'])[:160]}")
-                for choice in obj.get("choices") or ():
-                    # A chat chunk's delta, or a completion chunk's text.
-                    content = (choice.get("delta") or {}).get("content") or choice.get("text")
-                    if content:
-                        if not parts:
-                            record.ttft = now - record.sent
-                        parts.append(content)
-                if obj.get("usage"):
-                    record.usage_tokens = obj["usage"].get("completion_tokens")
+            # The time before parsing: the parser's cost is not the server's delay.
+            answer.feed(chunk, time.perf_counter())
         record.latency = time.perf_counter() - record.sent
-    record.tokens = len(parts)
-    if not done:
-        raise BadAnswer("stream ended without [DONE]")
-    if not parts:
-        raise BadAnswer("no content in the stream")
-    if record.usage_tokens is None:
-        raise BadAnswer("no usage event although stream_options.include_usage was set")
-    if record.usage_tokens != record.tokens:
-        raise BadAnswer(f"{record.tokens} content events but usage says {record.usage_tokens} tokens")
-    return "".join(parts)
+    return answer.text()
+
+
+class _Answer:
+    """One turn's SSE answer as its chunks arrive: the text so far, and what its ``record`` learns (TTFT, usage)."""
+
+    def __init__(self, record: Turn) -> None:
+        self._record = record
+        self._parts: list[str] = []
+        self._done = False
+        self._buffer = b""
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        """Take a chunk that arrived at ``now``; raises ``BadAnswer`` for an error event."""
+        self._buffer += chunk
+        if b"\n\n" not in self._buffer:
+            return
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        for event in events:
+            self._event(event, now)
+
+    def _event(self, event: bytes, now: float) -> None:
+        if not event.startswith(b"data: "):
+            return  # an SSE comment or keep-alive
+        data = event[6:]
+        if data == b"[DONE]":
+            self._done = True
+            return
+        obj = orjson.loads(data)
+        if "error" in obj:
+            raise BadAnswer(f"error event: {str(obj['error'])[:160]}")
+        for choice in obj.get("choices") or ():
+            # A chat chunk's delta, or a completion chunk's text.
+            content = (choice.get("delta") or {}).get("content") or choice.get("text")
+            if content:
+                if not self._parts:
+                    self._record.ttft = now - self._record.sent
+                self._parts.append(content)
+        if obj.get("usage"):
+            self._record.usage_tokens = obj["usage"].get("completion_tokens")
+
+    def text(self) -> str:
+        """The whole answer's text once the stream ended; ``BadAnswer`` when it was not one whole answer."""
+        record = self._record
+        record.tokens = len(self._parts)
+        if not self._done:
+            raise BadAnswer("stream ended without [DONE]")
+        if not self._parts:
+            raise BadAnswer("no content in the stream")
+        if record.usage_tokens is None:
+            raise BadAnswer("no usage event although stream_options.include_usage was set")
+        if record.usage_tokens != record.tokens:
+            raise BadAnswer(f"{record.tokens} content events but usage says {record.usage_tokens} tokens")
+        return "".join(self._parts)
 
 
 async def _session(session: int, workload: Workload, target: Target, ssl_context: ssl.SSLContext, run: Run) -> None:

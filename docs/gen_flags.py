@@ -37,8 +37,9 @@ def _flag(action: argparse.Action) -> str:
     return f"{names} `{metavar}{repeat}`"
 
 
-def _description(action: argparse.Action) -> str:
-    text = str(action.help or "")
+def _description(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    # As --help shows it: a help text names its flag's default as %(default)s, never a copy of the value.
+    text = parser._get_formatter()._expand_help(action) if action.help else ""
     if action.choices:
         text += f" (one of: {', '.join(map(str, action.choices))})"
     default = action.default
@@ -68,7 +69,7 @@ def table(prog: str, parser: argparse.ArgumentParser, env_prefix: str) -> str:
         extra = EXTRA_ENV.get((prog, action.dest))
         if extra:
             env += f", `{extra}`"
-        lines.append(f"| {_flag(action)} | {env} | {_description(action)} |")
+        lines.append(f"| {_flag(action)} | {env} | {_description(parser, action)} |")
     return "\n".join(lines)
 
 

@@ -34,6 +34,16 @@ class Status(StrEnum):
     DRAINING = "draining"
 
 
+class Sleep(StrEnum):
+    """The record's ``sleep`` mark (the proxy's node operations): a marked node gets no new requests."""
+
+    AWAKE = ""
+    DRAINING = "draining"
+    """Going to sleep: no new requests; once idle the node is put to sleep."""
+    ASLEEP = "asleep"
+    """vLLM's sleep mode is on: woken on demand (``--wake-on-demand``) or by the admin API."""
+
+
 class Source(StrEnum):
     """Where the proxy learned of a node."""
 
@@ -69,6 +79,8 @@ class Node:
     """``tcp://HOST:PORT`` of the node's KV-cache event publisher (vLLM's ``--kv-events-config``), if any."""
     kv_events_replay: str | None = None
     """``tcp://HOST:PORT`` of that publisher's replay socket, if any."""
+    sleep: Sleep = Sleep.AWAKE
+    """The record's sleep mark: ``draining`` or ``asleep`` take the node out of routing."""
 
     @property
     def host_port(self) -> str:
@@ -161,12 +173,16 @@ def url_host_port(url: str) -> str:
     return f"{host}:{port}"
 
 
+KEY_PREFIX, CLUSTER = "/vllm", "default"
+"""The contract's defaults of the key layout (and of ``--etcd-prefix`` and ``--cluster`` in every program)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class KeyLayout:
     """``{prefix}/{cluster}/{role}/{node_id}``: building and parsing keys."""
 
-    prefix: str = "/vllm"
-    cluster: str = "default"
+    prefix: str = KEY_PREFIX
+    cluster: str = CLUSTER
 
     @property
     def cluster_prefix(self) -> str:
@@ -213,6 +229,10 @@ class KeyLayout:
             status = Status(record.status or Status.SERVING.value)
         except ValueError:
             raise InvalidRecord(f"unknown status {record.status!r}") from None
+        try:
+            sleep = Sleep(record.sleep)
+        except ValueError:
+            raise InvalidRecord(f"unknown sleep mark {record.sleep[:32]!r}") from None
         models = tuple(dict.fromkeys(m for m in record.models if m))
         kv_events = validate_kv_endpoint(record.kv_events) if record.kv_events else None
         replay = validate_kv_endpoint(record.kv_events_replay, "kv_events_replay") if record.kv_events_replay else None
@@ -229,6 +249,7 @@ class KeyLayout:
             cards=_cards(obj.get("model_cards"), models),
             kv_events=kv_events,
             kv_events_replay=replay if kv_events else None,
+            sleep=sleep,
         )
 
 

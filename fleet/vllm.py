@@ -95,6 +95,23 @@ def read_prefix_cache(text: bytes) -> tuple[float, float] | None:
     return (totals[0], totals[1]) if seen else None
 
 
+_FINISHED = re.compile(rb"\nvllm:request_success_total(?:\{[^}\n]*\})?[ \t]+(\S+)")
+
+
+def read_finished(text: bytes) -> float | None:
+    """Requests the node finished since it started (``vllm:request_success_total``, summed over engines and
+    finish reasons); None when the page has none."""
+    total, seen = 0.0, False
+    for value in _FINISHED.findall(b"\n" + text):
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        if number == number:
+            total, seen = total + number, True
+    return total if seen else None
+
+
 _LORA_INFO = re.compile(rb"\nvllm:lora_requests_info\{([^}\n]*)\}[ \t]+(\S+)")
 _LABEL = re.compile(rb'(\w+)="([^"\n]*)"')
 

@@ -27,14 +27,18 @@ from vllm_etcd_proxy.fleet.etcd import EtcdClient
 from vllm_etcd_proxy.fleet.httpclient import stateless_client
 from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Node, Role, Source, split_host_port, validate_url
 from vllm_etcd_proxy.proxy.discovery.adapters import AdapterRegistry
+from vllm_etcd_proxy.proxy.discovery.claims import FOLDER as CLAIMS
+from vllm_etcd_proxy.proxy.discovery.claims import Claims, EtcdClaims, LocalClaims
 from vllm_etcd_proxy.proxy.discovery.ejection import Ejector
 from vllm_etcd_proxy.proxy.discovery.events import DiscoveryState
-from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
 from vllm_etcd_proxy.proxy.discovery.loadwatch import LoadWatcher
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.prober import ModelProber
 from vllm_etcd_proxy.proxy.discovery.watch import Discovery
 from vllm_etcd_proxy.proxy.errors import MethodNotAllowed, NotFound, ProxyError, render
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.nodes import KvSubscribers
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.hangup import Hangup
@@ -42,6 +46,7 @@ from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_rea
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
+from vllm_etcd_proxy.proxy.operations.nodeops import NodeOpsRoutes
 from vllm_etcd_proxy.proxy.operations.poolmetrics import PoolCollector
 from vllm_etcd_proxy.proxy.operations.sharemetrics import ShareCollector, replicas_view
 from vllm_etcd_proxy.proxy.operations.tls import ServerTls, server_tls
@@ -54,9 +59,7 @@ from vllm_etcd_proxy.proxy.routing.balancer import (
     Policy,
     make_policy,
 )
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.tokens import PromptTokens
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvAware, KvRouting
 from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.flows import Flows
@@ -71,14 +74,17 @@ from vllm_etcd_proxy.proxy.serving.layers import (
     PickFlow,
     ReadRequest,
     Tracing,
+    Wake,
 )
 from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits
 from vllm_etcd_proxy.proxy.serving.relay import Relay
 from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
 from vllm_etcd_proxy.proxy.settings import ProxySettings
+from vllm_etcd_proxy.proxy.sleep.setup import build_sleep
 from vllm_etcd_proxy.proxy.supervisor import Supervisor
 from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.telemetry.spans import make_tracer
+from vllm_etcd_proxy.proxy.tenancy.replicas import replica_id
 from vllm_etcd_proxy.proxy.tenancy.setup import build_tenancy
 from vllm_etcd_proxy.proxy.upstream.transport import HttpTransport, Transport
 
@@ -141,7 +147,7 @@ class ProxyApp:
         self._app = app
         self.lifecycle = lifecycle
         self.prompt_tokens = prompt_tokens
-        """Requests to token ids (``prompt_tokens.prompt_ids``), for routing on the nodes' cached blocks."""
+        """Requests to token ids (``prompt_tokens.ids``), for routing on the nodes' cached blocks."""
         self.ssl_context = tls.context if tls is not None else None
         """The listener's server context (the same one for its whole life: SIGHUP reloads into it); None: plain
         HTTP."""
@@ -225,7 +231,24 @@ class Replica:
         )
         pool.on_node(self.prompt_tokens.node_seen)
         self.adapters = AdapterRegistry()  # LoRA adapters registered in etcd, loaded where requests need them
-        self.loader = AdapterLoader(pool, self.adapters, self.client, metrics, self.backend_auth)
+        # Claims (one replica does a piece of work for the fleet: a wake, an adapter's load).
+        self.claims: Claims = EtcdClaims(self.etcd, self.layout) if self.etcd is not None else LocalClaims()
+        me = replica_id()
+        self.loader = AdapterLoader(
+            pool, self.adapters, self.client, metrics, self.backend_auth, claims=self.claims, me=me
+        )
+        # vLLM's sleep mode across the fleet.
+        self.sleep = build_sleep(
+            settings,
+            pool,
+            self.client,
+            self.etcd,
+            self.claims,
+            registry,
+            headers=self.backend_auth,
+            base_of=self._base_of,
+            me=me,
+        )
         self.forwarder = Forwarder(
             transport or self.http, pool, self.policies, settings, metrics, self.ejector, narrow=self.loader.narrow
         )
@@ -237,6 +260,11 @@ class Replica:
     def sessions(self) -> SessionGuard:
         """What a WebSocket session passes before a node is picked (serving/guard.py)."""
         return SessionGuard(self.keys, self.concurrency, self.tenancy.tenancy)
+
+    def _base_of(self, model: str) -> str:
+        """The base model of a registered LoRA adapter; any other model is its own."""
+        adapter = self.adapters.get(model)
+        return adapter.base if adapter is not None else model
 
     def _policies(self) -> dict[Role, Policy]:
         chosen = dict(self.settings.policies)
@@ -278,11 +306,13 @@ class Replica:
         if self.tenancy.tenancy is not None:
             path = Admission(path, self.tenancy.tenancy)
         path = PickFlow(path, flows)
+        if self.sleep.on_demand is not None:
+            path = Wake(path, self.sleep.on_demand)
         path = ReadRequest(
             path,
             self.pool.models,
             self.kv_routing,
-            self.prompt_tokens.prompt_ids,
+            self.prompt_tokens.ids,
             BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
             affinity=any(p.name in AFFINITY_POLICIES for p in self.policies.values()),
             count_uncached=settings.pd_min_prompt_tokens > 0,
@@ -296,6 +326,18 @@ class Replica:
     def operator_routes(self, scraped: CollectorRegistry) -> list[BaseRoute]:
         """The replica's own routes: health, status, /metrics (from ``scraped``), the admin API, model cards."""
         settings, tenancy = self.settings, self.tenancy.tenancy
+        admin = AdminRoutes(
+            pool=self.pool,
+            client=self.client,
+            admin_key=settings.admin_key,
+            etcd=self.etcd,
+            layout=self.layout,
+            models=settings.models,
+            metrics=self.metrics,
+            allowed=settings.admin_allow,
+            backend_auth=self.backend_auth,
+        )
+        sleep = self.sleep
         return [
             *InfoRoutes(
                 pool=self.pool,
@@ -306,17 +348,8 @@ class Replica:
                 kv_catching_up=self.kv_subscribers.catching_up,
                 replicas=functools.partial(replicas_view, tenancy) if tenancy is not None else None,
             ).routes(),
-            *AdminRoutes(
-                pool=self.pool,
-                client=self.client,
-                admin_key=settings.admin_key,
-                etcd=self.etcd,
-                layout=self.layout,
-                models=settings.models,
-                metrics=self.metrics,
-                allowed=settings.admin_allow,
-                backend_auth=self.backend_auth,
-            ).routes(),
+            *admin.routes(),
+            *NodeOpsRoutes(self.pool, sleep.calls, sleep.sleeper, sleep.waker, admin.authorize).routes(),
             *ModelRoutes(self.pool, self.keys, self.adapters).routes(),
             *DashboardRoutes().routes(),
         ]
@@ -339,10 +372,14 @@ class Replica:
             supervise("load-watcher", watcher.run)
         if self.etcd is not None:
             sinks = {ADAPTERS: self.adapters, **self.tenancy.sinks}
+            if isinstance(self.claims, EtcdClaims):
+                sinks[CLAIMS] = self.claims
             discovery = Discovery(self.etcd, self.layout, pool.apply_all, self.discovery_state, sinks=sinks)
             supervise("etcd-discovery", discovery.run)
         for run in self.tenancy.tasks:
             supervise("tenancy", run)
+        for run in self.sleep.tasks:
+            supervise("idle-sleeper", run)
         if self.hangup.configured:
             supervise("sighup", self.hangup.run)
 
@@ -377,6 +414,8 @@ class Replica:
 
     async def _stop(self) -> None:
         self.loader.close()
+        if self.sleep.on_demand is not None:
+            self.sleep.on_demand.close()
         await self.supervisor.stop()
         await self.kv_subscribers.stop()
         if self.etcd is not None:

@@ -15,7 +15,8 @@ ProxyError                      -> its ``status``; body ``{"error": {"message", 
 ├── RateLimited          429    a key over its rpm, tpm or concurrency (``Retry-After``, ``x-ratelimit-*``)
 ├── ServiceUnavailable   503    a dependency (etcd) is unreachable (``Retry-After``)
 │   ├── NoNodeAvailable  503    nothing routable now
-│   └── QueueTimeout     503    waited --queue-timeout for a full model's nodes
+│   ├── QueueTimeout     503    waited --queue-timeout for a full model's nodes
+│   └── WakeTimeout      503    waited --wake-timeout for a sleeping model's node to wake
 ├── UpstreamFailed       502    every attempt failed before a byte reached the client
 └── UpstreamTimeout      504    a configured timeout fired
 
@@ -178,6 +179,10 @@ class NoNodeAvailable(ServiceUnavailable):
 
 class QueueTimeout(ServiceUnavailable):
     code = "queue_timeout"
+
+
+class WakeTimeout(ServiceUnavailable):
+    code = "wake_timeout"
 
 
 class UpstreamFailed(ProxyError):

@@ -1,17 +1,27 @@
 """``vllm-proxy``'s flags: the parser (the source of ``--help`` and of the README's table) and flags -> ProxySettings.
 
-Every flag also reads ``VLLM_PROXY_<FLAG>`` (dashes as underscores; lists comma-separated, ``LIST_FLAGS``).
+Every flag also reads ``VLLM_PROXY_<FLAG>`` (dashes as underscores; lists comma-separated, ``LIST_FLAGS``). The
+flag definitions are the one place of every default: ProxySettings has none, and help texts say ``%(default)s``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import ssl
 from ipaddress import ip_network
 
-from vllm_etcd_proxy.fleet.etcd import BURST_PAUSE, DEAD_AFTER, EtcdSettings, parse_endpoints
+from vllm_etcd_proxy.fleet.etcd import (
+    BURST_PAUSE,
+    DEAD_AFTER,
+    KEEPALIVE_TIME,
+    KEEPALIVE_TIMEOUT,
+    TIMEOUT,
+    EtcdSettings,
+    parse_endpoints,
+)
 from vllm_etcd_proxy.fleet.flags import read_password
-from vllm_etcd_proxy.fleet.records import kv_event_flags
+from vllm_etcd_proxy.fleet.records import CLUSTER, KEY_PREFIX, kv_event_flags
 from vllm_etcd_proxy.fleet.tls import NodeTlsSettings
 from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.proxy.discovery.ejection import PROBE_RATE as EJECT_PROBE_RATE
@@ -24,7 +34,21 @@ from vllm_etcd_proxy.proxy.settings import ProxySettings, TimeoutSettings
 from vllm_etcd_proxy.proxy.telemetry.spans import traces_endpoint
 
 ENV_PREFIX = "VLLM_PROXY_"
-LIST_FLAGS = {"prefill", "decode", "mixed", "model", "api_key", "admin_allow_cidr", "tokenizer", "kv_events"}
+LIST_FLAGS = {
+    "prefill",
+    "decode",
+    "mixed",
+    "model",
+    "api_key",
+    "admin_allow_cidr",
+    "tokenizer",
+    "kv_events",
+    "sleep_after_idle",
+}
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""A 128k-token prompt is about 1 MB of JSON; inline images take more."""
+MAX_HEADER_BYTES = 64 * 1024
+"""Real clients send a few KiB."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_version_flag(p)
     add = p.add_argument
-    add("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    add("--port", type=int, default=8000, help="listen port (default 8000)")
+    add("--host", default="0.0.0.0", help="listen address (default %(default)s)")
+    add("--port", type=int, default=8000, help="listen port (default %(default)s)")
     add(
         "--ssl-certfile",
         metavar="FILE",
@@ -50,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=int(ssl.CERT_NONE),
         choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
         help="client certificates, as vLLM's flag (the ssl module's numbers): 0 not asked, 1 checked when "
-        "shown, 2 required; 1 and 2 need --ssl-ca-certs (default 0)",
+        "shown, 2 required; 1 and 2 need --ssl-ca-certs (default %(default)s)",
     )
     add("--etcd", help="etcd endpoints, URL[,URL...]; without it the static flags are the pools")
-    add("--etcd-prefix", default="/vllm", help="key prefix (default /vllm)")
-    add("--cluster", default="default", help="cluster name under the prefix (default default)")
+    add("--etcd-prefix", default=KEY_PREFIX, help="key prefix (default %(default)s)")
+    add("--cluster", default=CLUSTER, help="cluster name under the prefix (default %(default)s)")
     for role in ("prefill", "decode", "mixed"):
         add(
             f"--{role}",
@@ -107,22 +131,81 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="seconds a request may wait in the replica, queued fairly "
-        "by tenant and priority, while every node of its model is full; then 503 (default 0: no queue, requests "
-        "go to the nodes' own queues)",
+        "by tenant and priority, while every node of its model is full; then 503 (default %(default)g: no queue, "
+        "requests go to the nodes' own queues)",
     )
     add(
         "--queue-when-waiting",
         type=int,
         default=0,
         help="with --queue-timeout: a node whose scraped waiting "
-        "queue holds N requests counts as full, as one this replica has --max-connections open on (default 0: "
-        "off)",
+        "queue holds N requests counts as full, as one this replica has --max-connections open on (default "
+        "%(default)s: off)",
+    )
+    add(
+        "--wake-on-demand",
+        action="store_true",
+        help="a request whose model has no node awake but some asleep (vLLM's sleep mode) waits while one "
+        "replica wakes exactly one of them (claimed in etcd), up to --wake-timeout",
+    )
+    add(
+        "--wake-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request waits for a node of its model to wake, then 503 with Retry-After (default %(default)g)",
+    )
+    add(
+        "--sleep-after-idle",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="[MODEL=]S",
+        help="put a node to sleep once its model has had no request for S seconds anywhere in the fleet, "
+        "drained first (MODEL=S for one model, a bare S for every model; a node's record label "
+        "sleep-after-idle=S wins; repeatable; default: never)",
+    )
+    add(
+        "--min-awake",
+        type=int,
+        default=1,
+        help="nodes of each model --sleep-after-idle always leaves awake (default %(default)s; 0 needs "
+        "--wake-on-demand for a model to come back)",
+    )
+    add(
+        "--sleep-level",
+        type=int,
+        default=1,
+        choices=[0, 1, 2],
+        help="vLLM's sleep level for idle nodes: 0 pauses the scheduler, 1 offloads the weights to CPU memory, "
+        "2 discards them (default %(default)s)",
+    )
+    add(
+        "--sleep-drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a node going to sleep (admin API or idle) may take to finish its requests; then it sleeps "
+        "with vLLM's mode=wait, so the rest still finish (default %(default)g)",
     )
     add("--backend-api-key", help="key sent to nodes started with vLLM's --api-key (default: pass the client's)")
-    add("--max-concurrent-requests", type=int, default=0, help="in-flight requests before 503 (default 0: no limit)")
-    add("--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default 32 MiB)")
-    add("--max-header-bytes", type=int, default=64 * 1024, help="largest request headers (default 64 KiB)")
-    add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default 60)")
+    add(
+        "--max-concurrent-requests",
+        type=int,
+        default=0,
+        help="in-flight requests before 503 (default %(default)s: no limit)",
+    )
+    add(
+        "--max-body-bytes",
+        type=int,
+        default=MAX_BODY_BYTES,
+        help=f"largest request body (default {MAX_BODY_BYTES >> 20} MiB)",
+    )
+    add(
+        "--max-header-bytes",
+        type=int,
+        default=MAX_HEADER_BYTES,
+        help=f"largest request headers (default {MAX_HEADER_BYTES >> 10} KiB)",
+    )
+    add("--body-timeout", type=float, default=60.0, help="seconds to receive a request body (default %(default)g)")
     add(
         "--policy",
         choices=POLICY_NAMES,
@@ -140,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--affinity-header",
         default="x-session-id",
         help="session header for consistent-hash (default "
-        "x-session-id; without it: the body's user, else the prompt's start)",
+        "%(default)s; without it: the body's user, else the prompt's start)",
     )
     add(
         "--pd-min-prompt-tokens",
@@ -148,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="for a prefill/decode model: a prompt with fewer new "
         "tokens than this (those no earlier request had, so no prefix cache holds) skips the prefill leg and goes "
-        "straight to a decode node (default 0: never)",
+        "straight to a decode node (default %(default)s: never)",
     )
     add(
         "--tokenizer",
@@ -165,79 +248,96 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.5,
         help="seconds between scrapes of each node's /metrics (running "
-        "and waiting requests, KV-cache usage) for the load-aware policies (default 0.5; 0: off)",
+        "and waiting requests, KV-cache usage) for the load-aware policies (default %(default)g; 0: off)",
     )
     add(
         "--scrape-rate",
         type=float,
         default=SCRAPE_RATE,
         help="load scrapes a second at most over all nodes, "
-        "a fifth of them for nodes without traffic, new or failing (default 250: a node of a model in demand is "
-        "scraped every --scrape-load s up to 125 x --scrape-load such nodes, less often beyond)",
+        "a fifth of them for nodes without traffic, new or failing (default %(default)g: a node of a model in "
+        "demand is scraped every --scrape-load s up to --scrape-rate x --scrape-load such nodes, less often "
+        "beyond)",
     )
-    add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default 3)")
+    add("--max-attempts", type=int, default=3, help="nodes tried per leg before failing (default %(default)s)")
     add(
         "--max-resumes",
         type=int,
         default=2,
         help="times a stream may go on from another node after its node "
-        "failed mid-way (default 2; 0: never, the stream ends with an error event)",
+        "failed mid-way (default %(default)s; 0: never, the stream ends with an error event)",
     )
-    add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default 5)")
-    add("--prefill-timeout", type=float, default=300.0, help="seconds for the whole prefill leg (default 300)")
+    # Timeouts for LLM serving: a LAN node connects in milliseconds, so 5 s means it is gone; a 100k-token prompt
+    # on a busy node takes minutes to prefill; a non-streamed completion sends its headers only when it is done.
+    add("--connect-timeout", type=float, default=5.0, help="seconds to connect to a node (default %(default)g)")
+    add(
+        "--prefill-timeout",
+        type=float,
+        default=300.0,
+        help="seconds for the whole prefill leg (default %(default)g)",
+    )
     add(
         "--first-byte-timeout",
         type=float,
         default=600.0,
-        help="seconds until a node's response headers (default 600; a non-streamed completion sends them when done)",
+        help="seconds until a node's response headers (default %(default)g; a non-streamed completion sends them "
+        "when done)",
     )
-    add("--stream-idle-timeout", type=float, default=120.0, help="longest gap between chunks (default 120)")
+    add("--stream-idle-timeout", type=float, default=120.0, help="longest gap between chunks (default %(default)g)")
     add(
         "--eject-after",
         type=int,
         default=3,
-        help="consecutive failures that eject a node from this replica (default 3; 0 disables)",
+        help="consecutive failures that eject a node from this replica (default %(default)s; 0 disables)",
     )
-    add("--eject-backoff", type=float, default=1.0, help="seconds before an ejected node's first probe (default 1)")
-    add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default 30)")
+    add(
+        "--eject-backoff",
+        type=float,
+        default=1.0,
+        help="seconds before an ejected node's first probe (default %(default)g)",
+    )
+    add("--eject-max-backoff", type=float, default=30.0, help="longest wait between probes (default %(default)g)")
     add(
         "--eject-probe-rate",
         type=float,
         default=EJECT_PROBE_RATE,
-        help="probes of ejected nodes a second at most, over all nodes (default 20)",
+        help="probes of ejected nodes a second at most, over all nodes (default %(default)g)",
     )
     add(
         "--shutdown-delay",
         type=float,
         default=0.0,
         help="seconds a replica reports not ready after SIGTERM "
-        "before it stops listening, for balancers that health-check /ready (default 0)",
+        "before it stops listening, for balancers that health-check /ready (default %(default)g)",
     )
     add(
-        "--shutdown-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests (default 60)"
+        "--shutdown-timeout",
+        type=float,
+        default=60.0,
+        help="seconds SIGTERM waits for in-flight requests (default %(default)g)",
     )
-    add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default 15)")
+    add("--models-refresh", type=float, default=15.0, help="seconds between /v1/models polls (default %(default)g)")
     add(
         "--models-probe-rate",
         type=float,
         default=MODELS_PROBE_RATE,
         help="/v1/models polls a second at most "
-        "over all nodes, half of them for refreshes and failing nodes (default 20)",
+        "over all nodes, half of them for refreshes and failing nodes (default %(default)g)",
     )
     add(
         "--max-connections",
         type=int,
         default=1000,
-        help="connections open to one node at most; more requests wait for one (default 1000)",
+        help="connections open to one node at most; more requests wait for one (default %(default)s)",
     )
-    add("--etcd-timeout", type=float, default=5.0, help="seconds per etcd call (default 5)")
+    add("--etcd-timeout", type=float, default=TIMEOUT, help="seconds per etcd call (default %(default)g)")
     add(
         "--etcd-dead-after",
         type=float,
         default=DEAD_AFTER,
         help="seconds of silence after which the etcd watch "
         "counts as dead (a silent partition) and reconnects, to another endpoint if there are several; it asks "
-        "etcd for progress every third of this (default 3)",
+        "etcd for progress every third of this (default %(default)g)",
     )
     add(
         "--etcd-burst-pause",
@@ -246,19 +346,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the etcd watch stops listening "
         "in a burst of changes (over 128 a second) before it asks again from its last revision, so etcd sends what "
         "came meanwhile in one message instead of one per change; changes are late by up to this plus 0.1 s in a "
-        "burst only (default 0.2; 0: never)",
+        "burst only (default %(default)g; 0: never)",
     )
     add(
         "--etcd-keepalive-time",
         type=float,
-        default=10.0,
-        help="seconds between gRPC pings on a busy etcd connection, 5 or more: etcd refuses faster pings (default 10)",
+        default=KEEPALIVE_TIME,
+        help="seconds between gRPC pings on a busy etcd connection, 5 or more: etcd refuses faster pings "
+        "(default %(default)g)",
     )
     add(
         "--etcd-keepalive-timeout",
         type=float,
-        default=5.0,
-        help="seconds to wait for a ping's answer before gRPC drops the connection (default 5)",
+        default=KEEPALIVE_TIMEOUT,
+        help="seconds to wait for a ping's answer before gRPC drops the connection (default %(default)g)",
     )
     add(
         "--node-ca-bundle",
@@ -278,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="processes serving the port, each with its own etcd watch and "
-        "pools; use one per core the replica may use (default 1)",
+        "pools; use one per core the replica may use (default %(default)s)",
     )
     add(
         "--otlp-traces-endpoint",
@@ -287,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
         "request, a child per leg; as vLLM's flag; a bare host:port gets /v1/traces; default "
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off); needs pip install 'vllm-etcd-proxy[otel]'",
     )
-    add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default %(default)s")
     return p
 
 
@@ -297,6 +398,18 @@ def tokenizer_flag(spec: str) -> tuple[str, str]:
     if not (sep and model.strip() and source.strip()):
         raise ValueError(f"--tokenizer {spec!r}: expected MODEL=PATH_OR_HUB_ID")
     return model.strip(), source.strip()
+
+
+def idle_flag(spec: str) -> tuple[str, float]:
+    """``[MODEL=]S`` of --sleep-after-idle (model ``""``: every model)."""
+    model, sep, seconds = spec.rpartition("=")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0 or (sep and not model.strip()):
+        raise ValueError(f"--sleep-after-idle {spec!r}: expected [MODEL=]SECONDS, seconds more than 0")
+    return model.strip(), value
 
 
 def server_tls(args: argparse.Namespace) -> ServerTlsSettings | None:
@@ -321,10 +434,17 @@ def server_tls(args: argparse.Namespace) -> ServerTlsSettings | None:
     )
 
 
-def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate"):
+def _check_positive(args: argparse.Namespace) -> None:
+    for flag in ("scrape_rate", "models_probe_rate", "eject_probe_rate", "wake_timeout"):
         if getattr(args, flag) <= 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be more than 0")
+    for flag in ("min_awake", "sleep_drain_timeout"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 0 or more")
+
+
+def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    _check_positive(args)
     etcd = None
     if args.etcd:
         etcd = EtcdSettings(
@@ -360,6 +480,12 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         api_key_file=args.api_key_file or None,
         queue_timeout=args.queue_timeout,
         queue_when_waiting=args.queue_when_waiting,
+        wake_on_demand=args.wake_on_demand,
+        wake_timeout=args.wake_timeout,
+        sleep_after_idle=tuple(idle_flag(spec) for spec in args.sleep_after_idle),
+        min_awake=args.min_awake,
+        sleep_level=args.sleep_level,
+        sleep_drain_timeout=args.sleep_drain_timeout,
         backend_api_key=args.backend_api_key or None,
         max_concurrent=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,

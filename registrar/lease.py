@@ -24,7 +24,7 @@ from google.protobuf import json_format
 
 from vllm_etcd_proxy.fleet.etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, EventType, LeaseLost
 from vllm_etcd_proxy.fleet.pb.node_record_pb2 import NodeRecord
-from vllm_etcd_proxy.fleet.records import Status, encode_record, set_cards
+from vllm_etcd_proxy.fleet.records import InvalidRecord, Status, decode_record, encode_record, set_cards
 from vllm_etcd_proxy.fleet.vllm import ModelCard, stable_card
 
 logger = logging.getLogger(__name__)
@@ -265,7 +265,11 @@ class Registration:
                 async with contextlib.aclosing(self._client.watch_prefix(self._key, revision + 1)) as watch:
                     async for batch in watch:
                         backoff.reset()
-                        if any(e.type == EventType.DELETE and e.kv.key == self._key_bytes for e in batch.events):
+                        ours = [e for e in batch.events if e.kv.key == self._key_bytes]
+                        for event in ours:
+                            if event.type == EventType.PUT:
+                                self._adopt(event.kv.value)
+                        if any(e.type == EventType.DELETE for e in ours):
                             await self._check_still_there(lease)
             except LeaseLost:
                 raise
@@ -275,6 +279,21 @@ class Registration:
                 delay = backoff.delay()
                 logger.debug("etcd watch broke key=%s retry_in=%.1fs error=%s", self._key, delay, exc)
                 await asyncio.sleep(delay)
+
+    def _adopt(self, value: bytes) -> None:
+        """Someone else rewrote our key: the proxy's node operations mark a node for sleep in its record. Keep
+        their mark in what we write from now on, so our next write (new models, a status) does not undo it."""
+        if not self._present or not value or value == self._written:
+            return
+        try:
+            theirs = decode_record(value)
+        except InvalidRecord:
+            return
+        if theirs.sleep != self._record.sleep:
+            logger.info("sleep mark kept key=%s sleep=%s", self._key, theirs.sleep or "awake")
+            self._record.sleep = theirs.sleep
+        if encode_record(self._record) == value:
+            self._written = value  # etcd holds what we want: nothing to write back
 
     async def _check_still_there(self, lease: int) -> None:
         async with self._write_lock:

@@ -283,6 +283,7 @@ def create_app(settings: SimSettings) -> Starlette:
         *tokens_api.ROUTES,
         *anthropic.ROUTES,
         *admin.ROUTES,
+        *(admin.DEV_ROUTES if settings.dev_mode else ()),
         *(admin.LORA_ROUTES if settings.runtime_lora_updating else ()),
         Route("/{path:path}", unknown_route, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
     ]
@@ -299,6 +300,7 @@ def create_app(settings: SimSettings) -> Starlette:
                 await asyncio.gather(replay, return_exceptions=True)
             if publisher is not None:
                 publisher.close()
+            engine.gpu.release()
 
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={ApiError: api_error}, lifespan=lifespan)
     app.state.engine = engine

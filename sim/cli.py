@@ -1,4 +1,7 @@
-"""``vllm-sim`` / ``python -m sim``: flags (each also ``VLLM_SIM_<NAME>``) -> SimSettings -> uvicorn."""
+"""``vllm-sim`` / ``python -m sim``: flags (each also ``VLLM_SIM_<NAME>``) -> SimSettings -> uvicorn.
+
+The flag definitions hold every default; SimSettings has defaults only for the knobs no flag sets.
+"""
 
 from __future__ import annotations
 
@@ -16,15 +19,22 @@ from vllm_etcd_proxy.fleet.flags import environment_defaults
 from vllm_etcd_proxy.fleet.version import add_version_flag
 from vllm_etcd_proxy.sim import vocab
 from vllm_etcd_proxy.sim.app import create_app
+from vllm_etcd_proxy.sim.gpu import OutOfMemory
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig
 from vllm_etcd_proxy.sim.settings import Role, SimSettings
 
 SHUTDOWN_TIMEOUT = 3
 """Seconds uvicorn waits for open requests on SIGTERM; hung ones would otherwise hold it forever."""
+MODEL = "sim-model"
+"""The served model name without --model."""
+
+LoraList = tuple[tuple[str, str], ...]
+"""(name, path) of each adapter served."""
+LoraModule = tuple[str, str, str]
+"""(name, path, base model or "") of one --lora-modules value."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    defaults = SimSettings()
     parser = argparse.ArgumentParser(
         prog="vllm-sim", description="A CPU-only simulated vLLM node (OpenAI-compatible API, vLLM wire format)."
     )
@@ -33,16 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     def add(flag: str, kind: type, default: object, help: str) -> None:
         parser.add_argument(flag, type=kind, default=default, help=help)
 
-    add("--host", str, defaults.host, "listen address")
-    add("--port", int, defaults.port, "listen port")
+    add("--host", str, "127.0.0.1", "listen address")
+    # vLLM's default port is 8000; 8100 is the usual prefill port in the disagg examples.
+    add("--port", int, 8100, "listen port")
     parser.add_argument(
         "--model",
         action="append",
         default=None,
-        help="served model name, repeatable; the first names responses and metrics (default sim-model; "
+        help=f"served model name, repeatable; the first names responses and metrics (default {MODEL}; "
         "VLLM_SIM_MODEL takes a comma-separated list)",
     )
-    add("--model-root", str, defaults.model_root, "the model path vLLM would serve (root of the base model cards)")
+    add("--model-root", str, "", "the model path vLLM would serve (root of the base model cards)")
     parser.add_argument(
         "--tokenizer",
         default="",
@@ -73,36 +84,47 @@ def _parser() -> argparse.ArgumentParser:
         help='vLLM\'s form: NAME=PATH or \'{"name": N, "path": P, "base_model_name": B}\' (needs --enable-lora)',
     )
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (vLLM's flag)")
-    add("--max-loras", int, defaults.max_loras, "adapters in one batch; a request for one more waits")
-    add("--lora-swap-time", float, defaults.lora_swap_time, "seconds an adapter swapped into a slot adds to TTFT")
-    add("--lora-load-time", float, defaults.lora_load_time, "seconds POST /v1/load_lora_adapter takes")
-    add("--lora-load-fail", int, defaults.lora_load_fail, "status every adapter load fails with (0: none)")
+    add("--max-loras", int, 1, "adapters in one batch; a request for one more waits")
+    add("--lora-swap-time", float, 0.0, "seconds an adapter swapped into a slot adds to TTFT")
+    add("--lora-load-time", float, 0.0, "seconds POST /v1/load_lora_adapter takes")
+    add("--lora-load-fail", int, 0, "status every adapter load fails with (0: none)")
+    add("--wake-time", float, 0.0, "seconds POST /wake_up takes to bring the weights back")
+    add("--wake-fail", int, 0, "status every POST /wake_up that brings memory back fails with (0: none)")
+    add("--weights-gib", float, 1.0, "GiB of GPU memory the weights take while awake")
+    add("--kv-cache-gib", float, 1.0, "GiB of GPU memory the KV cache takes while awake")
+    add(
+        "--gpu",
+        str,
+        "",
+        "a directory standing for a GPU shared with the nodes given the same one (default: a GPU of its own)",
+    )
+    add("--gpu-capacity-gib", float, 0.0, "memory of the --gpu device: more fails as out of memory (0: no limit)")
     parser.add_argument(
         "--scaling",
         action="store_true",
         help="answer everything 503 as a vLLM scaling its elastic EP does",
     )
-    add("--role", str, str(defaults.role), "prefill, decode or mixed (mixed ignores kv_transfer_params)")
-    add("--node-id", str, defaults.node_id, "node id (default host:port)")
-    add("--ttft", float, defaults.ttft, "seconds to the first token")
-    add("--itl", float, defaults.itl, "seconds between tokens")
+    add("--role", str, "mixed", "prefill, decode or mixed (mixed ignores kv_transfer_params)")
+    add("--node-id", str, "", "node id (default host:port)")
+    add("--ttft", float, 0.02, "seconds to the first token")
+    add("--itl", float, 0.005, "seconds between tokens")
     add(
         "--prefill-per-token",
         float,
-        defaults.prefill_per_token,
+        0.0,
         "seconds added to --ttft per prompt token not found in the prefix cache",
     )
     add(
         "--batch-slowdown",
         float,
-        defaults.batch_slowdown,
+        0.0,
         "each other running sequence makes a prefill or token gap this fraction longer (0: load changes nothing)",
     )
-    add("--output-len", int, defaults.output_len, "answer length before a simulated EOS when max_tokens allows")
-    add("--max-num-seqs", int, defaults.max_num_seqs, "concurrent sequences; more wait in a FIFO queue")
-    add("--fail-rate", float, defaults.fail_rate, "fraction of requests answered with --fail-status")
-    add("--fail-status", int, defaults.fail_status, "status of injected failures (500, 503, 429...)")
-    add("--fail-after-tokens", int, defaults.fail_after_tokens, "fail every generation after N tokens (0: never)")
+    add("--output-len", int, 16, "answer length before a simulated EOS when max_tokens allows")
+    add("--max-num-seqs", int, 64, "concurrent sequences; more wait in a FIFO queue")
+    add("--fail-rate", float, 0.0, "fraction of requests answered with --fail-status")
+    add("--fail-status", int, 500, "status of injected failures (500, 503, 429...)")
+    add("--fail-after-tokens", int, 0, "fail every generation after N tokens (0: never)")
     parser.add_argument(
         "--hang",
         action="store_true",
@@ -111,19 +133,20 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--hang-after-tokens",
         int,
-        defaults.hang_after_tokens,
+        0,
         "every generation stops sending, without closing, after N tokens (0: never)",
     )
-    add("--startup-delay", float, defaults.startup_delay, "seconds /health answers 503 after start")
+    add("--startup-delay", float, 0.0, "seconds /health answers 503 after start")
     add("--unhealthy-file", str, "", "while this file exists /health answers 503")
     add("--api-key", str, "", "require Authorization: Bearer KEY on /v1/*")
-    add("--max-model-len", int, defaults.max_model_len, "context length in tokens")
-    add("--block-size", int, defaults.block_size, "tokens per KV block (prefix cache, remote_block_ids)")
-    add("--cache-blocks", int, defaults.cache_blocks, "KV blocks of the prefix cache (0: no prefix caching)")
-    add("--kv-events-config", str, defaults.kv_events_config, "vLLM's KVEventsConfig JSON: publish KV-cache events")
-    add("--kv-replay-frames", int, defaults.kv_replay_frames, "frames per replay answer: 4 (vLLM 0.32) or 3 (older)")
-    add("--side-channel-host", str, defaults.side_channel_host, "remote_host announced to decode nodes")
-    add("--side-channel-port", int, defaults.side_channel_port, "remote_port announced to decode nodes")
+    add("--max-model-len", int, 4096, "context length in tokens")
+    add("--block-size", int, 16, "tokens per KV block (prefix cache, remote_block_ids)")
+    # 64k tokens at block size 16.
+    add("--cache-blocks", int, 4096, "KV blocks of the prefix cache (0: no prefix caching)")
+    add("--kv-events-config", str, "", "vLLM's KVEventsConfig JSON: publish KV-cache events")
+    add("--kv-replay-frames", int, 4, "frames per replay answer: 4 (vLLM 0.32) or 3 (older)")
+    add("--side-channel-host", str, "", "remote_host announced to decode nodes")
+    add("--side-channel-port", int, 5600, "remote_port announced to decode nodes")
     add("--ssl-certfile", str, "", "serve HTTPS with this PEM certificate chain (vLLM's flag)")
     add("--ssl-keyfile", str, "", "its PEM private key, unless in --ssl-certfile's file (vLLM's flag)")
     add("--ssl-ca-certs", str, "", "PEM CAs that client certificates must chain to (vLLM's flag)")
@@ -131,59 +154,29 @@ def _parser() -> argparse.ArgumentParser:
         "--ssl-cert-reqs",
         type=int,
         choices=[0, 1, 2],
-        default=defaults.ssl_cert_reqs,
+        default=0,
         help="client certificates, the ssl module's numbers: 0 none, 1 optional, 2 required (vLLM's flag)",
     )
-    add("--log-level", str, defaults.log_level, "debug, info, warning, error")
+    add("--log-level", str, "info", "debug, info, warning, error")
     return parser
 
 
 def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> SimSettings:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if env is None else env
     try:
-        environ = os.environ if env is None else env
         environment_defaults(parser, "VLLM_SIM_", argv, lists={"model", "lora"}, environ=environ)
     except ValueError as exc:
         parser.error(str(exc))
     args = parser.parse_args(argv)
     models = args.model or ()
-    loras = tuple(_lora(spec) for spec in args.lora or ())
-    if any(not name for name, _ in loras):
-        parser.error("--lora needs a name: NAME or NAME=PATH")
-    groups = [[g] if isinstance(g, str) else g for g in args.lora_modules or ()]  # VLLM_SIM_LORA_MODULES: one
-    modules = [_lora_module(spec) for specs in groups for spec in specs]
-    if None in modules:
-        parser.error("--lora-modules takes NAME=PATH or a JSON object with name and path")
-    if modules and not args.enable_lora:
-        parser.error("--lora-modules needs --enable-lora")
-    found = [m for m in modules if m is not None]
-    loras += tuple((name, path) for name, path, _ in found)
-    if args.max_loras < 1:
-        parser.error("need --max-loras >= 1")
-    try:
-        role = Role(args.role)
-    except ValueError:
-        parser.error(f"--role must be one of {', '.join(Role)}")
-    if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
-        parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
-    if (
-        args.block_size < 1
-        or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown) < 0
-    ):
-        parser.error(
-            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown >= 0"
-        )
-    try:
-        KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
-    except ValueError as exc:
-        parser.error(f"--kv-events-config: {exc}")
-    if args.kv_replay_frames not in (3, 4):
-        parser.error("--kv-replay-frames must be 3 or 4")
+    loras, found = _loras(parser, args)
+    role = _checked(parser, args)
     return SimSettings(
         host=args.host,
         port=args.port,
-        models=tuple(models) or SimSettings().models,
+        models=tuple(models) or (MODEL,),
         model_root=args.model_root,
         tokenizer=Path(args.tokenizer).resolve() if args.tokenizer else None,
         loras=loras,
@@ -191,9 +184,16 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
         enable_lora=args.enable_lora or bool(loras),
         max_loras=args.max_loras,
         runtime_lora_updating=environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true"),
+        dev_mode=environ.get("VLLM_SERVER_DEV_MODE", "0").strip() not in ("", "0"),
         lora_swap_time=args.lora_swap_time,
         lora_load_time=args.lora_load_time,
         lora_load_fail=args.lora_load_fail,
+        wake_time=args.wake_time,
+        wake_fail=args.wake_fail,
+        weights_gib=args.weights_gib,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu=Path(args.gpu).resolve() if args.gpu else None,
+        gpu_capacity_gib=args.gpu_capacity_gib,
         role=role,
         node_id=args.node_id,
         ttft=args.ttft,
@@ -226,13 +226,56 @@ def parse_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | N
     )
 
 
+def _loras(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[LoraList, list[LoraModule]]:
+    """The adapters of --lora and --lora-modules, and the --lora-modules ones as given (with their base)."""
+    loras = tuple(_lora(spec) for spec in args.lora or ())
+    if any(not name for name, _ in loras):
+        parser.error("--lora needs a name: NAME or NAME=PATH")
+    groups = [[g] if isinstance(g, str) else g for g in args.lora_modules or ()]  # VLLM_SIM_LORA_MODULES: one
+    modules = [_lora_module(spec) for specs in groups for spec in specs]
+    if None in modules:
+        parser.error("--lora-modules takes NAME=PATH or a JSON object with name and path")
+    if modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    found = [m for m in modules if m is not None]
+    return loras + tuple((name, path) for name, path, _ in found), found
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Role:
+    """Exit with a usage error for a value the node cannot run with; returns the role."""
+    if args.max_loras < 1:
+        parser.error("need --max-loras >= 1")
+    try:
+        role = Role(args.role)
+    except ValueError:
+        parser.error(f"--role must be one of {', '.join(Role)}")
+    if args.max_num_seqs < 1 or not 0.0 <= args.fail_rate <= 1.0 or min(args.ttft, args.itl) < 0:
+        parser.error("need --max-num-seqs >= 1, 0 <= --fail-rate <= 1, --ttft and --itl >= 0")
+    if (
+        args.block_size < 1
+        or min(args.cache_blocks, args.prefill_per_token, args.hang_after_tokens, args.batch_slowdown) < 0
+    ):
+        parser.error(
+            "need --block-size >= 1; --cache-blocks, --prefill-per-token, --hang-after-tokens, --batch-slowdown >= 0"
+        )
+    try:
+        KvEventsConfig.parse(args.kv_events_config) if args.kv_events_config else None
+    except ValueError as exc:
+        parser.error(f"--kv-events-config: {exc}")
+    if min(args.wake_time, args.weights_gib, args.kv_cache_gib, args.gpu_capacity_gib) < 0:
+        parser.error("need --wake-time, --weights-gib, --kv-cache-gib and --gpu-capacity-gib >= 0")
+    if args.kv_replay_frames not in (3, 4):
+        parser.error("--kv-replay-frames must be 3 or 4")
+    return role
+
+
 def _lora(spec: str) -> tuple[str, str]:
     """``NAME=PATH`` or ``NAME`` (its path then ``/adapters/NAME``)."""
     name, _, path = spec.partition("=")
     return name.strip(), path.strip() or f"/adapters/{name.strip()}"
 
 
-def _lora_module(spec: str) -> tuple[str, str, str] | None:
+def _lora_module(spec: str) -> LoraModule | None:
     """(name, path, base model or "") from one --lora-modules value, or None when it is neither form."""
     if spec.lstrip().startswith("{"):
         try:
@@ -264,8 +307,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         ",".join(settings.models),
         settings.engine_id,
     )
+    try:
+        app = create_app(settings)
+    except OutOfMemory as exc:  # the shared --gpu is full, as CUDA would say at vLLM's start
+        sys.exit(f"vllm-sim: error: {exc}")
     uvicorn.run(
-        create_app(settings),
+        app,
         host=settings.host,
         port=settings.port,
         log_config=None,

@@ -11,22 +11,25 @@ prefill_per_token``, or one ``itl`` on a decode leg whose KV was pulled from a p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from vllm_etcd_proxy.sim import tokens
 from vllm_etcd_proxy.sim.errors import ApiError
+from vllm_etcd_proxy.sim.gpu import GIB, Gpu, OutOfMemory, OwnGpu, SharedGpu
 from vllm_etcd_proxy.sim.knobs import Knobs
 from vllm_etcd_proxy.sim.kvevents import KvEventsConfig, Publisher
 from vllm_etcd_proxy.sim.latency import Latencies
 from vllm_etcd_proxy.sim.lora import Adapters
-from vllm_etcd_proxy.sim.prefix_cache import PrefixCache
+from vllm_etcd_proxy.sim.prefix_cache import Lease, PrefixCache
 from vllm_etcd_proxy.sim.record import Job, Record
 from vllm_etcd_proxy.sim.settings import SimSettings
+from vllm_etcd_proxy.sim.sleepmode import SleepMode
 from vllm_etcd_proxy.sim.vocab import HfVocab
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,13 @@ class Slots:
                 waiter.set_result(None)
 
 
+def make_gpu(settings: SimSettings) -> Gpu:
+    """The node's own device, or the one of ``--gpu`` it shares with the nodes given the same directory."""
+    if settings.gpu is None:
+        return OwnGpu()
+    return SharedGpu(settings.gpu, settings.name, round(settings.gpu_capacity_gib * GIB))
+
+
 class Engine:
     """State of one simulated node. Built by the app factory; everything else reads it."""
 
@@ -109,14 +119,16 @@ class Engine:
         self.adapters = Adapters(settings.loras, dict(settings.lora_bases), settings.max_loras)
         self.loras: dict[str, str] = self.adapters.paths
         """LoRA adapters served now, name -> path: the startup ones plus /v1/load_lora_adapter's."""
-        self.sleep_level = 0
-        """0 awake; 1 or 2 after POST /sleep: generation waits for POST /wake_up."""
-        self._awake = asyncio.Event()
-        self._awake.set()
+        self.gpu = make_gpu(settings)
+        sizes = {"weights": round(settings.weights_gib * GIB), "kv_cache": round(settings.kv_cache_gib * GIB)}
+        self.sleep_mode = SleepMode(self.gpu, sizes)
+        """vLLM's sleep mode (sleepmode.py): generation waits while the scheduler is paused."""
         self.asleep = 0
+        """Requests held by sleep mode (a paused scheduler keeps them waiting)."""
         self._abort_epoch = 0
         """Bumped by each aborting sleep: generations that arrived before it end at their next step."""
-        """Requests held by sleep mode (a paused scheduler keeps them waiting)."""
+        self._ended_signal = asyncio.Event()
+        """Replaced (after being set) each time a generation ends: a ``wait`` sleep waits on it."""
         self.apply_knobs({})
 
     def apply_knobs(self, changes: dict[str, Any]) -> None:
@@ -137,34 +149,50 @@ class Engine:
         """The name responses carry: a LoRA adapter's own, else the first served name (vLLM's model_name)."""
         return requested if requested is not None and requested in self.loras else self.settings.served_model
 
-    def sleep(self, level: int, mode: str = "abort") -> None:
-        """Sleep mode: the scheduler pauses (requests that arrive hold until wake_up) and the KV cache is dropped;
-        with ``mode="abort"`` (vLLM's default) the requests already in the engine end at their next step with
-        finish_reason "abort"; ``wait`` and ``keep`` let them finish."""
-        self.sleep_level = level
-        self._awake.clear()
-        self.cache.clear()
+    async def sleep(self, level: int, mode: str = "abort") -> None:
+        """vLLM's sleep (sleepmode.py): the scheduler pauses (requests that arrive hold until the wake), then
+        ``abort`` ends the generations already in the engine at their next step (finish_reason "abort"), ``wait``
+        returns once they finished, ``keep`` freezes them until the wake; level 1 or 2 then frees the GPU memory
+        and drops the prefix cache."""
+        self.sleep_mode.pause(mode)
         if mode == "abort":
             self._abort_epoch += 1
             self._signal_knobs()
+        elif mode == "wait":
+            while self.slots.running:
+                ended = self._ended_signal
+                await ended.wait()
+        if level >= 1:
+            self.cache.clear()
+        self.sleep_mode.offload(level)
 
-    def wake_up(self) -> None:
-        self.sleep_level = 0
-        self._awake.set()
+    async def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Wake ``tags`` (None: all), taking --wake-time when memory comes back; True when fully awake. Raises
+        ``ApiError`` for --wake-fail and when the GPU has no room (CUDA's out of memory)."""
+        if self.sleep_mode.waking(tags):
+            await asyncio.sleep(self.knobs.wake_time)
+            if self.knobs.wake_fail:
+                raise ApiError(self.knobs.wake_fail, "vllm-sim: injected failure waking up")
+        try:
+            return self.sleep_mode.wake(tags)
+        except OutOfMemory as exc:
+            raise ApiError(500, str(exc)) from None
 
     @property
     def is_sleeping(self) -> bool:
-        return self.sleep_level > 0
+        return self.sleep_mode.is_sleeping
 
     async def until_awake(self, record: Record) -> None:
-        """Hold ``record``'s request while the node sleeps."""
-        if not self._awake.is_set():
-            record.state = "sleeping"
+        """Hold ``record``'s request while the scheduler is paused."""
+        if self.sleep_mode.paused:
+            state, record.state = record.state, "sleeping"
             self.asleep += 1
             try:
-                await self._awake.wait()
+                await self.sleep_mode.until_awake()
             finally:
                 self.asleep -= 1
+            if state == "running":
+                record.state = state
 
     def _signal_knobs(self) -> None:
         changed, self._knobs_changed = self._knobs_changed, asyncio.Event()
@@ -202,51 +230,24 @@ class Engine:
         arrived = time.monotonic()
         epoch, aborted = self._abort_epoch, False
         try:
-            if not self._unhung.is_set():
-                record.state = "hung"
-                self.hung += 1
-                try:
-                    await self._unhung.wait()
-                finally:
-                    self.hung -= 1
+            await self._until_unhung(record)
             await self.until_awake(record)
             if on_accept is not None:
                 await on_accept()
             record.state = "waiting"
-            swapped = job.adapter is not None and await self.adapters.enter(job.adapter)
-            try:
-                await self.slots.acquire()
-            except BaseException:
-                if job.adapter is not None:
-                    self.adapters.leave(job.adapter)
-                raise
-            lease = self.cache.admit(job.prompt, job.cache_salt, job.adapter)
-            try:
-                if swapped:
-                    await asyncio.sleep(self.knobs.lora_swap_time)
-                record.state, record.cached_tokens = "running", lease.hit_tokens
-                self.counters["prefix_cache_queries"] = self.cache.queries
-                self.counters["prefix_cache_hits"] = self.cache.hits
-                uncached = len(job.prompt) - lease.hit_tokens
-                await asyncio.sleep(
-                    self._batched(
-                        self.knobs.itl if job.kv_loaded else self.knobs.ttft + uncached * self.knobs.prefill_per_token
-                    )
-                )
-                self.counters["prompt_tokens"] += record.prompt_tokens
+            async with self._scheduled(job) as lease:
+                await self._prefill(job, lease)
                 last = time.monotonic()
                 self.latencies.ttft.observe(last - arrived)
                 for i, token in enumerate(job.tokens):
                     if i:
-                        await asyncio.sleep(self._batched(self.knobs.itl))
-                        now = time.monotonic()
-                        self.latencies.itl.observe(now - last)
-                        last = now
-                    limit = self.knobs.fail_after_tokens
-                    if limit and i >= limit:
+                        last = await self._token_gap(last)
+                    if self._fails_at(i):
                         outcome = "failed"
                         raise ApiError(500, "vllm-sim: injected engine failure during generation")
                     await self._stall(record, i, epoch)
+                    if self.sleep_mode.keeps:
+                        await self.until_awake(record)  # a ``keep`` sleep: frozen until the wake
                     if self._abort_epoch != epoch:
                         aborted = True
                         break
@@ -257,16 +258,74 @@ class Engine:
                 outcome = "aborted" if aborted else "done"
                 if not aborted:
                     self.latencies.e2e.observe(time.monotonic() - arrived)
-            finally:
-                self.cache.release(lease, job.tokens[: record.completion_tokens])
-                self.slots.release()
-                if job.adapter is not None:
-                    self.adapters.leave(job.adapter)
         finally:
-            record.state = outcome
-            record.cancelled = outcome == "cancelled"
-            self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
-            self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+            self._ended(job, outcome)
+
+    async def _until_unhung(self, record: Record) -> None:
+        """Hold ``record``'s request while --hang is on."""
+        if not self._unhung.is_set():
+            record.state = "hung"
+            self.hung += 1
+            try:
+                await self._unhung.wait()
+            finally:
+                self.hung -= 1
+
+    @contextlib.asynccontextmanager
+    async def _scheduled(self, job: Job) -> AsyncIterator[Lease]:
+        """While the body runs: a sequence slot, the job's adapter in a batch slot (swapped in first, which takes
+        --lora-swap-time) and the prompt's blocks pinned in the prefix cache (the lease)."""
+        swapped = job.adapter is not None and await self.adapters.enter(job.adapter)
+        try:
+            await self.slots.acquire()
+        except BaseException:
+            if job.adapter is not None:
+                self.adapters.leave(job.adapter)
+            raise
+        lease = self.cache.admit(job.prompt, job.cache_salt, job.adapter)
+        try:
+            if swapped:
+                await asyncio.sleep(self.knobs.lora_swap_time)
+            yield lease
+        finally:
+            self.cache.release(lease, job.tokens[: job.record.completion_tokens])
+            self.slots.release()
+            if job.adapter is not None:
+                self.adapters.leave(job.adapter)
+
+    async def _prefill(self, job: Job, lease: Lease) -> None:
+        """Up to the first token: --ttft plus --prefill-per-token for each prompt token the cache did not hold, or
+        one --itl on a decode leg whose KV came from a prefill node."""
+        record, knobs = job.record, self.knobs
+        record.state, record.cached_tokens = "running", lease.hit_tokens
+        self.counters["prefix_cache_queries"] = self.cache.queries
+        self.counters["prefix_cache_hits"] = self.cache.hits
+        uncached = len(job.prompt) - lease.hit_tokens
+        await asyncio.sleep(
+            self._batched(knobs.itl if job.kv_loaded else knobs.ttft + uncached * knobs.prefill_per_token)
+        )
+        self.counters["prompt_tokens"] += record.prompt_tokens
+
+    async def _token_gap(self, last: float) -> float:
+        """Wait one --itl after the token sent at ``last``; returns when the next one is due."""
+        await asyncio.sleep(self._batched(self.knobs.itl))
+        now = time.monotonic()
+        self.latencies.itl.observe(now - last)
+        return now
+
+    def _fails_at(self, sent: int) -> bool:
+        """--fail-after-tokens: the generation fails instead of sending its next token."""
+        limit = self.knobs.fail_after_tokens
+        return bool(limit) and sent >= limit
+
+    def _ended(self, job: Job, outcome: str) -> None:
+        record = job.record
+        record.state = outcome
+        record.cancelled = outcome == "cancelled"
+        self.counters[{"done": "completed"}.get(outcome, outcome)] += 1
+        self.finished[job.finish_reason if outcome == "done" else "abort"] += 1
+        ended, self._ended_signal = self._ended_signal, asyncio.Event()
+        ended.set()
 
     def _batched(self, seconds: float) -> float:
         """``seconds`` stretched by the other sequences running now (--batch-slowdown)."""

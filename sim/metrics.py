@@ -48,12 +48,13 @@ class EngineCollector(Collector):
         # With the prefix cache off the node has no block accounting: usage falls back to busy sequence slots.
         usage = engine.cache.usage if engine.cache.enabled else slots.running / slots.limit
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage)
-        # As vLLM: one sample per state, 1 for the state the engine is in (sleep level 1 offloads the weights,
-        # level 2 discards them).
+        # As vLLM: one sample per state (sleepmode.py says which are 1 when).
         sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state", labels=[*LABELS, "sleep_state"])
-        for level, state in enumerate(("awake", "weights_offloaded", "discard_all")):
-            sleep.add_metric([*labels, state], float(engine.sleep_level == level))
+        for state, value in engine.sleep_mode.gauge().items():
+            sleep.add_metric([*labels, state], value)
         yield sleep
+        # The simulator's own (vLLM has no such gauge): what the node holds on its simulated GPU (sim/gpu.py).
+        yield gauge("vllm_sim:gpu_memory_used_bytes", "GPU memory the node holds.", engine.sleep_mode.memory)
         yield counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",

@@ -157,45 +157,52 @@ async def create(request: Request) -> Response:
     except ApiError as exc:
         engine.reject(record, exc.status)
         raise
-    turn = run.turn
-    if turn.background:
+    if run.turn.background:
         return _background(engine, store, run)
     stored = Stored(response=run.response("in_progress", [], None), messages=run.messages)
+    if run.turn.stream:
+        return _streamed(engine, store, run, stored, record)
+    try:
+        response = await until_disconnect(_collected(engine, store, run, stored), request.receive)
+    except ClientGone:
+        response = Response(status_code=CLIENT_CLOSED)
+    record.status = response.status_code
+    engine.log(record)
+    return response
+
+
+def _streamed(engine: Engine, store: dict[str, Stored], run: Run, stored: Stored, record: Record) -> Response:
+    """The response's events as they come (SSE); the last one ends ``stored``."""
 
     async def events(start: Callable[[], Awaitable[None]]) -> AsyncGenerator[str, None]:
         await start()  # vLLM sends response.created before the engine has the request
         async for event in run_events(engine, run):
             stored.add(event)
             if event["type"] in ("response.completed", "error"):
-                take_final(stored, event)
-                stored.finish()
-                if turn.store:
-                    store[turn.id] = stored
+                _keep(store, run, stored, event)
             yield wire.sse(event)
 
-    if turn.stream:
-        return SSEResponse(events, engine, record, {})
+    return SSEResponse(events, engine, record, {})
 
-    async def collect() -> Response:
-        async with aclosing(run_events(engine, run)) as stream:
-            async for event in stream:
-                stored.add(event)
-        last = stored.events[-1]
-        if last["type"] == "error":
-            return JSONResponse(ApiError(int(last["code"]), last["message"]).body(), status_code=int(last["code"]))
-        take_final(stored, last)
-        stored.finish()
-        if turn.store:
-            store[turn.id] = stored
-        return JSONResponse(stored.response)
 
-    try:
-        response = await until_disconnect(collect(), request.receive)
-    except ClientGone:
-        response = Response(status_code=CLIENT_CLOSED)
-    record.status = response.status_code
-    engine.log(record)
-    return response
+async def _collected(engine: Engine, store: dict[str, Stored], run: Run, stored: Stored) -> Response:
+    """The whole response once it is generated (JSON); a failed one answers its error."""
+    async with aclosing(run_events(engine, run)) as stream:
+        async for event in stream:
+            stored.add(event)
+    last = stored.events[-1]
+    if last["type"] == "error":
+        return JSONResponse(ApiError(int(last["code"]), last["message"]).body(), status_code=int(last["code"]))
+    _keep(store, run, stored, last)
+    return JSONResponse(stored.response)
+
+
+def _keep(store: dict[str, Stored], run: Run, stored: Stored, last: Event) -> None:
+    """End ``stored`` with the response's ``last`` event, and keep it under its id when the turn asks (``store``)."""
+    take_final(stored, last)
+    stored.finish()
+    if run.turn.store:
+        store[run.turn.id] = stored
 
 
 def _background(engine: Engine, store: dict[str, Stored], run: Run) -> Response:

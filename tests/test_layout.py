@@ -119,6 +119,20 @@ def test_the_http_client_to_the_nodes_sits_below_serving_and_discovery() -> None
     assert not upward, f"a room imports a room above it: {sorted(upward)}"
 
 
+def test_the_kv_cache_room_sits_below_routing_and_above_discovery() -> None:
+    # kvcache/ learns its nodes from discovery's pool and feeds the kv-aware policy: it imports nothing of the
+    # rooms that decide or serve, and discovery nothing of it.
+    graph = _proxy_import_graph()
+    above = (".routing", ".serving", ".operations", ".tenancy")
+    upward = {
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if (".kvcache" in m and any(room in d for room in above)) or (".discovery" in m and ".kvcache" in d)
+    }
+    assert not upward, f"a room imports a room above it: {sorted(upward)}"
+
+
 def test_what_the_request_path_records_sits_below_every_room_that_records_it() -> None:
     rooms = (".serving", ".discovery", ".routing", ".operations", ".tenancy", ".upstream")
     upward = {

@@ -14,12 +14,23 @@
 
 from vllm_etcd_proxy.fleet.etcd.client import EtcdClient
 from vllm_etcd_proxy.fleet.etcd.errors import Compacted, EtcdAuthError, EtcdError, EtcdUnavailable, LeaseLost
-from vllm_etcd_proxy.fleet.etcd.settings import BURST_PAUSE, DEAD_AFTER, EtcdSettings, parse_endpoints
+from vllm_etcd_proxy.fleet.etcd.settings import (
+    BURST_PAUSE,
+    DEAD_AFTER,
+    KEEPALIVE_TIME,
+    KEEPALIVE_TIMEOUT,
+    TIMEOUT,
+    EtcdSettings,
+    parse_endpoints,
+)
 from vllm_etcd_proxy.fleet.etcd.values import Event, EventType, KeyValue, WatchBatch
 
 __all__ = [
     "BURST_PAUSE",
     "DEAD_AFTER",
+    "KEEPALIVE_TIME",
+    "KEEPALIVE_TIMEOUT",
+    "TIMEOUT",
     "Compacted",
     "EtcdAuthError",
     "EtcdClient",

@@ -217,6 +217,24 @@ class EtcdClient:
         request = pb.DeleteRangeRequest(key=to_bytes(key))
         return (await self._unary(_KV + "DeleteRange", request, pb.DeleteRangeResponse)).deleted
 
+    async def put_if(self, key: str | bytes, value: bytes | str, *, mod_revision: int, lease: int = 0) -> int:
+        """Put only while the key's last change is still ``mod_revision`` (0: only if the key does not exist), in
+        one transaction; returns the new revision, 0 when the key had changed (nothing written)."""
+        put = pb.RequestOp(request_put=pb.PutRequest(key=to_bytes(key), value=to_bytes(value), lease=lease))
+        return await self._txn(key, mod_revision, put)
+
+    async def delete_if(self, key: str | bytes, *, mod_revision: int) -> bool:
+        """Delete the key only while its last change is still ``mod_revision``; False when it had changed."""
+        delete = pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=to_bytes(key)))
+        return bool(await self._txn(key, mod_revision, delete))
+
+    async def _txn(self, key: str | bytes, mod_revision: int, op: pb.RequestOp) -> int:
+        compare = pb.Compare(
+            result=pb.Compare.EQUAL, target=pb.Compare.MOD, key=to_bytes(key), mod_revision=mod_revision
+        )
+        reply = await self._unary(_KV + "Txn", pb.TxnRequest(compare=[compare], success=[op]), pb.TxnResponse)
+        return reply.header.revision if reply.succeeded else 0
+
     # Leases
 
     async def grant(self, ttl: int) -> int:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TIMEOUT = 5.0
+"""Default of ``EtcdSettings.timeout`` (and of ``--etcd-timeout`` in every program): a healthy etcd answers in
+milliseconds."""
 DEAD_AFTER = 3.0
 """Default of ``EtcdSettings.dead_after``: a dead stream noticed within 3 s, and a 10 s lease rides out a partition
 of up to 6 s (``lease_bound``)."""
+KEEPALIVE_TIME, KEEPALIVE_TIMEOUT = 10.0, 5.0
+"""Defaults of ``EtcdSettings.keepalive_time`` (etcd refuses pings more often than every 5 s) and
+``keepalive_timeout``."""
 PROBES_PER_BOUND = 3
 """A stream asks etcd for an answer this many times per ``dead_after``, so one late answer is not a death."""
 BURST_EVENTS, BURST_WINDOW = 32, 0.25
@@ -21,17 +27,17 @@ class EtcdSettings:
 
     endpoints: tuple[str, ...]
     """Client URLs (``http://host:port``, ``https://host:port``) or ``host:port``, tried in order."""
-    timeout: float = 5.0
-    """Seconds for every unary call (its gRPC deadline); a healthy etcd answers in milliseconds."""
+    timeout: float = TIMEOUT
+    """Seconds for every unary call (its gRPC deadline)."""
     dead_after: float = DEAD_AFTER
     """Seconds of silence after which a stream counts as dead and is opened again (on the next endpoint): a
     watch or lease keep-alive that has heard nothing from etcd, or a new stream that has not answered its first
     request. Both streams ask for an answer every ``probe_interval`` s (a watch progress request, a lease
     refresh), so a healthy etcd is never silent that long. gRPC pings alone cannot get there: etcd refuses them
     more often than every 5 s, so they notice a dead connection after 5 s plus their timeout at best."""
-    keepalive_time: float = 10.0
+    keepalive_time: float = KEEPALIVE_TIME
     """Seconds between gRPC keepalive pings on a busy connection; etcd refuses pings more often than 5 s."""
-    keepalive_timeout: float = 5.0
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT
     """Seconds to wait for a ping ack before gRPC closes the connection (a backstop to ``dead_after``)."""
     cacert: str | None = None
     """PEM file of the CA that signed etcd's server certificate."""

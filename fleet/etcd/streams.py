@@ -161,63 +161,96 @@ async def watch_prefix(
     registrations costs a few responses a second instead of one per put. The stream and its probes stay up
     meanwhile, so silence is noticed as before; a compaction during the pause raises ``Compacted``.
     """
-    key, end = prefix_range(prefix)
-    settings = client.settings
-
-    def create(revision: int) -> Message:
-        request = pb.WatchCreateRequest(key=key, range_end=end, start_revision=revision, progress_notify=True)
-        return pb.WatchRequest(create_request=request)
-
-    endpoint, bound, loop = client.current_endpoint, settings.dead_after, asyncio.get_running_loop()
-    resume = start_revision - 1  # every change up to here was yielded
+    endpoint, bound = client.current_endpoint, client.settings.dead_after
     try:
         async with (
             _stream(client, "/etcdserverpb.Watch/Watch", pb.WatchRequest, pb.WatchResponse) as call,
-            _Pacer(call, settings) as pacer,
+            _Pacer(call, client.settings) as pacer,
         ):
+            watch = _Watch(endpoint, pacer, prefix, start_revision)
             async with asyncio.timeout(bound):
-                await call.write(create(start_revision))
-            live: int | None = None  # the watch whose events are yielded; None while paused
+                await call.write(watch.create(start_revision))
             while True:
                 async with asyncio.timeout(bound):
                     reply = await call.read()
-                if reply is grpc.aio.EOF:
-                    raise EtcdUnavailable(f"etcd {endpoint} closed the watch stream")
-                if reply.canceled and reply.watch_id not in pacer.cancelled:
-                    if reply.compact_revision:
-                        raise Compacted(reply.compact_revision)
-                    raise EtcdError(f"etcd {endpoint} cancelled the watch: {reply.cancel_reason}")
-                if reply.created:
-                    first, live = live is None and not pacer.cancelled, reply.watch_id
-                    if first:
-                        pacer.start_probing()
-                        yield WatchBatch(reply.header.revision, [], True)
-                    continue
-                if reply.watch_id != live:
-                    # The answer to a progress request (watch id -1): proof of life only. etcd 3.4 may send it
-                    # ahead of events still on their way (etcd issue 15220), so its revision is no resume point.
-                    # Or events of a watch cancelled in a burst: the next watch starts from ``resume + 1``.
-                    continue
-                events = [
-                    Event(type=EventType.DELETE if e.type == pb.Event.DELETE else EventType.PUT, kv=key_value(e.kv))
-                    for e in reply.events
-                ]
-                # A replayed response's header is etcd's current revision even when more events follow it (over
-                # 1,000 revisions behind): the last event is the resume point; without events, the header.
-                resume = events[-1].kv.mod_revision if events else max(resume, reply.header.revision)
-                if events and pacer.burst(loop.time(), len(events)):
-                    pacer.pause(reply.watch_id, create(resume + 1))
-                    live = None
-                yield WatchBatch(resume, events)
+                batch = watch.answer(reply)
+                if batch is not None:
+                    yield batch
     except _BROKEN as exc:
         _failed(client, exc, endpoint)
-        if isinstance(exc, grpc.aio.AioRpcError):
-            raise translate(exc, endpoint) from None
         if isinstance(exc, EtcdUnavailable):
             raise
-        if isinstance(exc, TimeoutError):
-            raise EtcdUnavailable(f"etcd {endpoint}: watch stream timed out, nothing heard for {bound:g}s") from None
-        raise EtcdUnavailable(f"etcd {endpoint}: watch stream broke ({type(exc).__name__})") from None
+        raise _watch_broke(exc, endpoint, bound) from None
+
+
+def _watch_broke(exc: BaseException, endpoint: str, bound: float) -> EtcdError:
+    """Ours for a watch stream that broke with gRPC's error, our read timeout or grpc.aio's state error."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return translate(exc, endpoint)
+    if isinstance(exc, TimeoutError):
+        return EtcdUnavailable(f"etcd {endpoint}: watch stream timed out, nothing heard for {bound:g}s")
+    return EtcdUnavailable(f"etcd {endpoint}: watch stream broke ({type(exc).__name__})")
+
+
+class _Watch:
+    """One watch stream's state (which of its watches is live, the revision to resume from) and what each of
+    etcd's responses on it means for ``watch_prefix``."""
+
+    def __init__(self, endpoint: str, pacer: _Pacer, prefix: str | bytes, start_revision: int) -> None:
+        self._endpoint, self._pacer = endpoint, pacer
+        self._key, self._end = prefix_range(prefix)
+        self._live: int | None = None
+        """The watch whose events are yielded; None while paused."""
+        self._resume = start_revision - 1
+        """Every change up to this revision was yielded."""
+
+    def create(self, revision: int) -> Message:
+        request = pb.WatchCreateRequest(
+            key=self._key, range_end=self._end, start_revision=revision, progress_notify=True
+        )
+        return pb.WatchRequest(create_request=request)
+
+    def answer(self, reply: Any) -> WatchBatch | None:
+        """The batch to yield for ``reply`` (None: nothing to yield); raises when etcd ended the stream or the watch."""
+        if reply is grpc.aio.EOF:
+            raise EtcdUnavailable(f"etcd {self._endpoint} closed the watch stream")
+        if reply.canceled and reply.watch_id not in self._pacer.cancelled:
+            raise self._cancelled(reply)
+        if reply.created:
+            return self._created(reply)
+        if reply.watch_id != self._live:
+            # The answer to a progress request (watch id -1): proof of life only. etcd 3.4 may send it ahead of
+            # events still on their way (etcd issue 15220), so its revision is no resume point. Or events of a
+            # watch cancelled in a burst: the next watch starts from ``resume + 1``.
+            return None
+        return self._events(reply)
+
+    def _cancelled(self, reply: Any) -> EtcdError:
+        if reply.compact_revision:
+            return Compacted(reply.compact_revision)
+        return EtcdError(f"etcd {self._endpoint} cancelled the watch: {reply.cancel_reason}")
+
+    def _created(self, reply: Any) -> WatchBatch | None:
+        """The first watch's creation starts the probes and is yielded; a watch created again after a pause is not."""
+        first = self._live is None and not self._pacer.cancelled
+        self._live = reply.watch_id
+        if not first:
+            return None
+        self._pacer.start_probing()
+        return WatchBatch(reply.header.revision, [], True)
+
+    def _events(self, reply: Any) -> WatchBatch:
+        events = [
+            Event(type=EventType.DELETE if e.type == pb.Event.DELETE else EventType.PUT, kv=key_value(e.kv))
+            for e in reply.events
+        ]
+        # A replayed response's header is etcd's current revision even when more events follow it (over 1,000
+        # revisions behind): the last event is the resume point; without events, the header.
+        self._resume = events[-1].kv.mod_revision if events else max(self._resume, reply.header.revision)
+        if events and self._pacer.burst(asyncio.get_running_loop().time(), len(events)):
+            self._pacer.pause(reply.watch_id, self.create(self._resume + 1))
+            self._live = None
+        return WatchBatch(self._resume, events)
 
 
 class _Pacer:

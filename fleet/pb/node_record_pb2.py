@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11node_record.proto\x12\x0fvllm_etcd_proxy\x1a\x1cgoogle/protobuf/struct.proto\"\xd8\x02\n\nNodeRecord\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x37\n\x06labels\x18\x05 \x03(\x0b\x32\'.vllm_etcd_proxy.NodeRecord.LabelsEntry\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x15\n\rregistered_at\x18\x07 \x01(\t\x12\x14\n\x0ckv_connector\x18\x08 \x01(\t\x12\x0e\n\x06source\x18\t \x01(\t\x12,\n\x0bmodel_cards\x18\n \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tkv_events\x18\x0b \x01(\t\x12\x18\n\x10kv_events_replay\x18\x0c \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11node_record.proto\x12\x0fvllm_etcd_proxy\x1a\x1cgoogle/protobuf/struct.proto\"\xe7\x02\n\nNodeRecord\x12\x0b\n\x03url\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\x37\n\x06labels\x18\x05 \x03(\x0b\x32\'.vllm_etcd_proxy.NodeRecord.LabelsEntry\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x15\n\rregistered_at\x18\x07 \x01(\t\x12\x14\n\x0ckv_connector\x18\x08 \x01(\t\x12\x0e\n\x06source\x18\t \x01(\t\x12,\n\x0bmodel_cards\x18\n \x03(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tkv_events\x18\x0b \x01(\t\x12\x18\n\x10kv_events_replay\x18\x0c \x01(\t\x12\r\n\x05sleep\x18\r \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODERECORD_LABELSENTRY']._loaded_options = None
   _globals['_NODERECORD_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_NODERECORD']._serialized_start=69
-  _globals['_NODERECORD']._serialized_end=413
-  _globals['_NODERECORD_LABELSENTRY']._serialized_start=368
-  _globals['_NODERECORD_LABELSENTRY']._serialized_end=413
+  _globals['_NODERECORD']._serialized_end=428
+  _globals['_NODERECORD_LABELSENTRY']._serialized_start=383
+  _globals['_NODERECORD_LABELSENTRY']._serialized_end=428
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NodeRecord(_message.Message):
-    __slots__ = ("url", "role", "models", "status", "labels", "version", "registered_at", "kv_connector", "source", "model_cards", "kv_events", "kv_events_replay")
+    __slots__ = ("url", "role", "models", "status", "labels", "version", "registered_at", "kv_connector", "source", "model_cards", "kv_events", "kv_events_replay", "sleep")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class NodeRecord(_message.Message):
     MODEL_CARDS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_FIELD_NUMBER: _ClassVar[int]
     url: str
     role: str
     models: _containers.RepeatedScalarFieldContainer[str]
@@ -40,4 +41,5 @@ class NodeRecord(_message.Message):
     model_cards: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
     kv_events: str
     kv_events_replay: str
-    def __init__(self, url: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., registered_at: _Optional[str] = ..., kv_connector: _Optional[str] = ..., source: _Optional[str] = ..., model_cards: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., kv_events: _Optional[str] = ..., kv_events_replay: _Optional[str] = ...) -> None: ...
+    sleep: str
+    def __init__(self, url: _Optional[str] = ..., role: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., version: _Optional[str] = ..., registered_at: _Optional[str] = ..., kv_connector: _Optional[str] = ..., source: _Optional[str] = ..., model_cards: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., kv_events: _Optional[str] = ..., kv_events_replay: _Optional[str] = ..., sleep: _Optional[str] = ...) -> None: ...

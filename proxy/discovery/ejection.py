@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT = httpx.Timeout(2.0)
 PROBE_RATE = 20.0
-"""Health probes a second at most, however many nodes are ejected."""
+"""Health probes a second at most, however many nodes are ejected: the default of ``--eject-probe-rate``."""
 PARALLEL_PROBES = 8
 HEALTHY_SPELL = 30.0
 """Seconds a reinstated node must stay healthy before its ejection back-off starts again from the base."""
@@ -31,15 +31,15 @@ HEALTHY_SPELL = 30.0
 
 @dataclass(frozen=True, kw_only=True)
 class EjectionSettings:
-    """When to eject and how often to probe."""
+    """When to eject and how often to probe (``--eject-*``, whose definitions hold the defaults)."""
 
-    after: int = 3
+    after: int
     """Consecutive failures that eject a node; 0 disables ejection."""
-    base_backoff: float = 1.0
+    base_backoff: float
     """Seconds before the first probe of an ejected node."""
-    max_backoff: float = 30.0
+    max_backoff: float
     """Longest wait between probes."""
-    probe_rate: float = PROBE_RATE
+    probe_rate: float
     """Probes of ejected nodes a second at most, over all nodes."""
 
 

@@ -21,6 +21,7 @@ from collections import deque
 
 from vllm_etcd_proxy.fleet.vllm import (
     read_asleep,
+    read_finished,
     read_lora_info,
     read_node_load,
     read_prefix_cache,
@@ -191,6 +192,7 @@ class LoadWatcher:
         if lora is not None or state.max_loras is not None:
             self._pool.set_lora(state, *(lora or (frozenset(), frozenset(), None)))
         self._pool.set_load(state, *(parsed or (0, 0, 0.0)), at=now)
+        self._pool.set_finished(state, read_finished(page), now)
         if latency is not None:
             tracker = self._latency.setdefault(state.entry_key, TokenLatency())
             self._pool.set_token_latency(state, tracker.add(now, *latency))

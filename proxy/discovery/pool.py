@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import replace
 
-from vllm_etcd_proxy.fleet.records import Node, Role, Status
+from vllm_etcd_proxy.fleet.records import Node, Role, Sleep, Status
 from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, Upsert
 from vllm_etcd_proxy.proxy.discovery.state import NodeState, entry_key
@@ -83,7 +84,7 @@ class Pool:
     def _reindex(self, state: NodeState) -> None:
         """Put ``state`` (already un-indexed, and still in the pool) back where it now belongs; tell listeners."""
         key = state.entry_key
-        if state.node.status is Status.SERVING and state.models_known:
+        if state.serving and state.models_known:
             for name in state.models:
                 self._index.setdefault((state.node.role, name), {})[key] = state
         if state.routable:
@@ -144,6 +145,8 @@ class Pool:
             self._unindex(old)
             if old.node.url == node.url:
                 # Same server: keep counters and learned models so a status flip does not reset them.
+                if node.sleep is Sleep.AWAKE and old.node.sleep is not Sleep.AWAKE:
+                    old.asleep = False  # its sleep mark was cleared by whoever woke it: awake before the next scrape
                 old.node = node
                 self._reindex(old)
                 return
@@ -201,6 +204,27 @@ class Pool:
     def set_lora(self, state: NodeState, running: frozenset[str], waiting: frozenset[str], slots: int | None) -> None:
         """The node's adapters with running and waiting requests, and its slots (``vllm:lora_requests_info``)."""
         state.lora_running, state.lora_waiting, state.max_loras = running, waiting, slots
+
+    def set_sleep_mark(self, state: NodeState, mark: Sleep) -> None:
+        """Change the sleep mark of the node's record as this replica knows it (at once, before etcd's watch
+        brings the same change; the only place it is kept for nodes without a key)."""
+        if state.node.sleep is mark:
+            return
+        current = self._entries.get(state.entry_key) is state
+        if current:
+            self._unindex(state)
+        if mark is Sleep.AWAKE:
+            state.asleep = False
+        state.node = replace(state.node, sleep=mark)
+        if current:
+            self._reindex(state)
+            self._changed()
+
+    def set_finished(self, state: NodeState, finished: float | None, at: float) -> None:
+        """The node's count of finished requests at a scrape (after ``set_load``): busy or finishing, it is active."""
+        if finished != state.finished or state.node_running or state.node_waiting or state.in_flight:
+            state.active_at = at
+        state.finished = finished
 
     def set_asleep(self, state: NodeState, asleep: bool) -> None:
         """What the node's /metrics says of its sleep mode (read live by ``admits``: no index to rebuild)."""
@@ -278,6 +302,19 @@ class Pool:
             for listener in self._demand_listeners:
                 listener(model)
         return [s for s in nodes.values() if s.admits]
+
+    def sleeping(self, model: str) -> list[NodeState]:
+        """The nodes of ``model`` that sleep or go to sleep (marked in their record, or asleep by their /metrics),
+        not ejected; a scan of every node: for a model with no node awake only."""
+        return [
+            s
+            for s in self._entries.values()
+            if s.sleeping and not s.ejected and s.node.status is Status.SERVING and model in s.models
+        ]
+
+    def last_asked(self, model: str) -> float | None:
+        """``time.monotonic()`` of this replica's last request for ``model`` (None: none yet)."""
+        return self._asked_at.get(model)
 
     def serving(self, model: str) -> list[NodeState]:
         """Every node of any role that would serve ``model`` if it were not ejected (no demand recorded)."""

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vllm_etcd_proxy.fleet.records import Node, Status
+from vllm_etcd_proxy.fleet.records import Node, Sleep, Status
 from vllm_etcd_proxy.fleet.vllm import ModelCard
 
 
@@ -60,6 +60,11 @@ class NodeState:
     """Adapters with requests waiting on the node (same gauge)."""
     max_loras: int | None = None
     """The node's adapter slots (``max_lora`` of the gauge); None when it does not say."""
+    finished: float | None = None
+    """Requests the node finished since it started (``vllm:request_success_total``; None: never scraped)."""
+    active_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when this replica last saw the node busy or finishing requests (any replica's), or
+    first saw it: the start of its idle time (``--sleep-after-idle``)."""
 
     @property
     def entry_key(self) -> str:
@@ -82,8 +87,18 @@ class NodeState:
         return self.node.cards or self.learned_cards
 
     @property
+    def serving(self) -> bool:
+        """Its record lets it take requests: status serving, no sleep mark."""
+        return self.node.status is Status.SERVING and self.node.sleep is Sleep.AWAKE
+
+    @property
     def routable(self) -> bool:
-        return self.node.status is Status.SERVING and self.models_known and not self.ejected
+        return self.serving and self.models_known and not self.ejected
+
+    @property
+    def sleeping(self) -> bool:
+        """Marked for sleep in its record, or asleep by its own /metrics."""
+        return self.node.sleep is not Sleep.AWAKE or self.asleep
 
     @property
     def admits(self) -> bool:

@@ -113,7 +113,7 @@ class AdminRoutes:
             Route("/instances/remove", self.remove, methods=["POST"]),
         ]
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
         try:
             check_admin_key(request, self._admin_key)
         except (Forbidden, Unauthorized) as exc:
@@ -123,7 +123,7 @@ class AdminRoutes:
             raise
 
     async def add(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         req = await parse_admin_body(request)
         await check_allowed(req.instance, self._allowed)
         url = f"http://{req.instance}"
@@ -157,7 +157,7 @@ class AdminRoutes:
         return JSONResponse({"message": f"Added {req.instance} to {req.role.value}_instances."})
 
     async def remove(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         req = await parse_admin_body(request)
         removed = False
         if self._etcd is not None:

@@ -29,6 +29,7 @@ def worker_view(state: NodeState) -> dict[str, Any]:
         "healthy": not state.ejected,
         "ejected": state.ejected,
         "asleep": state.asleep,
+        "sleep": node.sleep.value or "awake",
         "models_known": state.models_known,
         "in_flight": state.in_flight,
         "served": state.served,

@@ -6,12 +6,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vllm_etcd_proxy.proxy.discovery.kvnodes import KvSubscribers
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
+from vllm_etcd_proxy.proxy.kvcache.nodes import KvSubscribers
+from vllm_etcd_proxy.proxy.kvcache.subscription import LAG_BUCKETS
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
 
 REASONS = ("cached_prefix", "load", "fallback")
 
@@ -52,6 +53,17 @@ class KvCollector(Collector):
             ("kv_event_restarts", stats.restarts, "Nodes seen restarting (sequence numbers going back)."),
         ):
             yield CounterMetricFamily(f"vllm_proxy_{name}", text, value=value)
+        counts, total = list(stats.lag_counts), 0
+        buckets = []
+        for bound, count in zip((*(str(b) for b in LAG_BUCKETS), "+Inf"), counts, strict=True):
+            total += count
+            buckets.append((bound, total))
+        yield HistogramMetricFamily(
+            "vllm_proxy_kv_event_lag_seconds",
+            "From a live KV-event batch's publishing (its timestamp) to its blocks being in the index.",
+            buckets=buckets,
+            sum_value=stats.lag_sum,
+        )
         decisions = CounterMetricFamily(
             "vllm_proxy_kv_routing_decisions",
             "kv-aware routing decisions by reason: "

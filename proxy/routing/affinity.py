@@ -61,45 +61,50 @@ class PrefixIndex:
         view, size = memoryview(data), len(data)
         crc = adler = 1
         key = previous = known = 0
-        new = self._new
         start = 0
-        while start < size:
-            limit = start + BLOCK
-            newline = data.find(b"\n", start, limit) if newlines else -1
-            if newline >= 0:
-                stop = newline + 1
-            elif limit <= size:
-                stop = limit
-            else:
-                break  # the unfinished block at the end
+        while (stop := _block_end(data, start, newlines)) is not None:
             block = view[start:stop]
             crc, adler = zlib.crc32(block, crc), zlib.adler32(block, adler)
             current = (crc << 32) | adler
-            if start == 0:
+            seen = None if start == 0 else self._follows(previous, current)
+            if seen is None:  # the first block, or the first after a shared one: the key so far
                 key = current
+                # After a shared block the successor is not kept: it was seen if it had one of its own.
                 seen = self._successor(current) is not None
-            else:
-                successor = self._successor(previous)
-                if successor is None:
-                    new[previous] = current
-                    seen = False
-                elif successor == current:
-                    seen = True  # this very block came after the one before it in an earlier request
-                else:  # followed by something else before, or known to be shared
-                    if successor != _SHARED:
-                        new[previous] = _SHARED
-                    key = current
-                    # After a shared block the successor is not kept: it was seen if it had one of its own.
-                    seen = self._successor(current) is not None
             if seen and known == start:
                 known = stop
             previous = current
             start = stop
-        if len(new) > self._size:
-            self._old, self._new = new, {}
+        if len(self._new) > self._size:
+            self._old, self._new = self._new, {}
         if start == 0:
             return Prefix(key=(zlib.crc32(data) << 32) | zlib.adler32(data), known=0, size=size)
         return Prefix(key=key, known=known, size=size)
+
+    def _follows(self, previous: int, current: int) -> bool | None:
+        """Note that block ``current`` followed block ``previous``: whether it did in an earlier request too, or
+        None when ``previous`` is shared (followed by something else before, or known to be shared)."""
+        successor = self._successor(previous)
+        if successor is None:
+            self._new[previous] = current
+            return False
+        if successor == current:
+            return True
+        if successor != _SHARED:
+            self._new[previous] = _SHARED
+        return None
+
+
+def _block_end(data: bytes, start: int, newlines: bool) -> int | None:
+    """Where the block from ``start`` ends: after a newline within ``BLOCK`` bytes (``newlines``), else after
+    ``BLOCK`` bytes; None when no whole block is left (the unfinished one at the end is not read)."""
+    limit = start + BLOCK
+    newline = data.find(b"\n", start, limit) if newlines else -1
+    if newline >= 0:
+        return newline + 1
+    if limit <= len(data):
+        return limit
+    return None
 
 
 class Prefix(NamedTuple):
@@ -118,22 +123,36 @@ def prompt_bytes(body: dict[str, Any]) -> tuple[bytes, bool] | None:
     text; token ids), and whether newlines end blocks (not in ids)."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts = []
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
+        return _chat_text(messages).encode("utf-8", "surrogatepass"), True
+    return _prompt_bytes(body.get("prompt"))
+
+
+def _chat_text(messages: list[Any]) -> str:
+    parts = []
+    for message in messages:
+        if isinstance(message, dict):
             parts.append(f"{message.get('role')}\x1f")
-            content = message.get("content")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                for part in content:
-                    if isinstance(part, dict):
-                        value = part.get("text") or part.get("image_url") or part.get("input_audio")
-                        parts.append(value if isinstance(value, str) else repr(value))
+            parts.extend(_content_texts(message.get("content")))
             parts.append("\n")
-        return "".join(parts).encode("utf-8", "surrogatepass"), True
-    prompt = body.get("prompt")
+    return "".join(parts)
+
+
+def _content_texts(content: Any) -> list[str]:
+    """A message's content as text: a string, or each part's text (an image or audio part: its URL or data)."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        return []
+    texts = []
+    for part in content:
+        if isinstance(part, dict):
+            value = part.get("text") or part.get("image_url") or part.get("input_audio")
+            texts.append(value if isinstance(value, str) else repr(value))
+    return texts
+
+
+def _prompt_bytes(prompt: Any) -> tuple[bytes, bool] | None:
+    """A completion's ``prompt``: text, or token ids (a batch of one prompt counts as that prompt)."""
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, str):

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
 
 
 class Policy(Protocol):
@@ -280,7 +280,7 @@ class CacheAware:
 POLICIES: dict[str, type[RoundRobin] | type[PowerOfTwo] | type[ConsistentHash] | type[CacheAware]]
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PowerOfTwo, ConsistentHash, CacheAware)}
 KV_AWARE = "kv-aware"
-"""By the nodes' KV-cache events (routing/kvchoice.py, built by the app with the index); else cache-aware."""
+"""By the nodes' KV-cache events (routing/kv_aware.py, built by the app with the index); else cache-aware."""
 POLICY_NAMES = sorted([*POLICIES, KV_AWARE])
 AFFINITY_POLICIES = frozenset([ConsistentHash.name, CacheAware.name, KV_AWARE])
 """Policies that route by an affinity key (the request's session, user or prompt prefix)."""

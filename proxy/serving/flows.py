@@ -6,7 +6,9 @@ forwarder and returns the node's open response (or its error answer, read whole)
 - ``OneLeg``: to a node of the model, the body byte for byte (``mixed``; ``decode`` when so little of a
   disaggregated model's prompt is new that a prefill leg would cost more than it saves);
 - ``DisaggregatedFlow`` (disagg.py): vLLM's prefill -> decode exchange;
-- ``WithAdapter``: a registered LoRA adapter loaded on a node first, then ``OneLeg`` (serving/adapters.py);
+- ``WithAdapter``: a registered LoRA adapter loaded on a node first (serving/adapters.py), then ``OneLeg``,
+  ``NewResponse`` (the Responses API) or, for a disaggregated base model, the exchange (loaded on a prefill and a
+  decode node);
 - ``NewResponse``: ``POST /v1/responses``, to where its ``previous_response_id`` is kept, else by model; the
   new response's id names its node;
 - ``ByResponseId``: ``/v1/responses/{id}...``, to the node holding that id.
@@ -22,8 +24,8 @@ from typing import Protocol
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
-from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader, with_adapter
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
+from vllm_etcd_proxy.proxy.serving.adapters import DISAGGREGATED, ROLES, AdapterLoader, with_adapter
 from vllm_etcd_proxy.proxy.serving.disagg import DisaggregatedFlow
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg, Upstream
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
@@ -57,17 +59,18 @@ class OneLeg:
 
 
 class WithAdapter:
-    """A registered LoRA adapter's request: the adapter loaded on a node first when no node has it."""
+    """A registered LoRA adapter's request: the adapter loaded first, when no node has it, on a node of each role
+    group the inner flow's legs go to."""
 
-    mode = "mixed"
-    __slots__ = ("_loader", "_leg")
+    __slots__ = ("mode", "_loader", "_flow", "_groups")
 
-    def __init__(self, loader: AdapterLoader, leg: OneLeg) -> None:
-        self._loader, self._leg = loader, leg
+    def __init__(self, loader: AdapterLoader, flow: Flow, groups: tuple[tuple[Role, ...], ...] = (ROLES,)) -> None:
+        self.mode, self._loader, self._flow, self._groups = flow.mode, loader, flow, groups
 
     async def open(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Upstream | ErrorAnswer:
         assert request.adapter is not None
-        return await with_adapter(self._loader, request.adapter, lambda: self._leg.open(request, avoid))
+        flow = self._flow
+        return await with_adapter(self._loader, request.adapter, lambda: flow.open(request, avoid), self._groups)
 
 
 class ByResponseId:
@@ -127,8 +130,10 @@ class Flows:
         self.decode = OneLeg("decode", DECODE_FIRST, forwarder, first_byte_timeout)
         self.disaggregated = DisaggregatedFlow(forwarder, first_byte_timeout, prefill_timeout)
         self.adapter = WithAdapter(adapters, self.mixed)
+        self.adapter_disaggregated = WithAdapter(adapters, self.disaggregated, DISAGGREGATED)
         self.by_response_id = ByResponseId(forwarder, first_byte_timeout)
         self.new_response = NewResponse("mixed", forwarder, self._ids, first_byte_timeout)
+        self.adapter_response = WithAdapter(adapters, self.new_response)
         self.continued_response = NewResponse("pinned", forwarder, self._ids, first_byte_timeout)
 
     def pick(self, request: ProxyRequest) -> Flow:
@@ -139,9 +144,14 @@ class Flows:
             return self.by_response_id
         if kind is Kind.RESPONSES and request.body is not None:
             return self._response(request)
-        if kind is Kind.GENERATE and request.body is not None and self._disaggregated(request.model):
-            return self.decode if self._little_is_new(request) else self.disaggregated
-        if (adapter := self._adapters.registered(self._model(request))) is not None:
+        adapter = self._adapters.registered(self._model(request))
+        if kind is Kind.GENERATE and request.body is not None:
+            if adapter is not None and self._disaggregated(adapter.base):
+                request.adapter = adapter
+                return self.adapter_disaggregated
+            if self._disaggregated(request.model):
+                return self.decode if self._little_is_new(request) else self.disaggregated
+        if adapter is not None:
             request.adapter = adapter
             return self.adapter
         self.check_routable(self._model(request), MIXED_ROLES)
@@ -157,7 +167,8 @@ class Flows:
         uncached, prompt = request.uncached_tokens, request.prompt
         if prompt is not None and self._pd_min:
             model, pool = self._model(request), self._pool
-            uncached = self._kv.uncached(prompt, [s for r in Role for s in pool.candidates(r, model)], uncached)
+            candidates = [s for r in Role for s in pool.candidates(r, model)]
+            uncached = self._kv.uncached(prompt, candidates, uncached, self._pd_min)
         return uncached is not None and uncached < self._pd_min
 
     def _response(self, request: ProxyRequest) -> Flow:
@@ -166,6 +177,9 @@ class Flows:
         if previous is not None and self._ids.is_ours(previous):
             request.pinned = self._ids.holder(previous)
             return self.continued_response
+        if (adapter := self._adapters.registered(self._model(request))) is not None:
+            request.adapter = adapter
+            return self.adapter_response
         self.check_routable(self._model(request), MIXED_ROLES)
         return self.new_response
 

@@ -90,7 +90,7 @@ def client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
 class Upstream:
     """An open response from a node: status and headers are in, the body is not read yet."""
 
-    __slots__ = ("state", "role", "response", "_forwarder", "_closed", "span")
+    __slots__ = ("state", "role", "response", "_forwarder", "_closed", "span", "after")
 
     def __init__(
         self,
@@ -107,6 +107,8 @@ class Upstream:
         self._closed = False
         self.span = span
         """The leg's span, ended with the response."""
+        self.after: Callable[[], None] = _nothing
+        """Called once the response is closed (the LoRA loader counts its adapter's requests in flight)."""
 
     @property
     def status(self) -> int:
@@ -134,6 +136,11 @@ class Upstream:
         self.response.close()
         self._forwarder.release(self.state, self.role, outcome, failed=outcome == "broken")
         self.span.end(outcome, self.response.status)
+        self.after()
+
+
+def _nothing() -> None:
+    return None
 
 
 Narrow = Callable[[str, list[NodeState]], list[NodeState]]

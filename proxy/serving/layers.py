@@ -2,7 +2,8 @@
 wraps an app (``Handler``: one async call with the request):
 
 ``Accounting`` (metrics, and any error no layer answered) -> ``Tracing`` (only when a tracer is configured) ->
-``Keys`` (the client key) -> ``ReadRequest`` (the body, the model, routing hints) -> ``PickFlow`` ->
+``Keys`` (the client key) -> ``ReadRequest`` (the body, the model, routing hints) -> ``Wake`` (only with
+--wake-on-demand) -> ``PickFlow`` ->
 ``Admission`` (tenant limits and the fair queue, only when configured) -> ``Concurrency`` (``--max-concurrent``,
 only when set) -> the relay (relay.py).
 
@@ -15,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from vllm_etcd_proxy.proxy.errors import ClientLeft, NodeAdminRefused, ProxyError
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import PromptIds, read_prompt
 from vllm_etcd_proxy.proxy.routing.affinity import PrefixIndex, route_hints
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvRouting
-from vllm_etcd_proxy.proxy.routing.kvroute import PromptIds, read_prompt
+from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
 from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forms import request_model
 from vllm_etcd_proxy.proxy.serving.forwarder import header_lines
@@ -26,6 +27,7 @@ from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, read_body
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest, Tally
 from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.serving.routes import Kind
+from vllm_etcd_proxy.proxy.sleep.ondemand import WakeOnDemand
 from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.telemetry.spans import Tracer, split_trace_headers
 from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
@@ -156,6 +158,22 @@ class ReadRequest:
         if request.kind is Kind.GENERATE:
             request.tally = Tally()
             request.resumable = self._resumes and not_resumable(request.path, body) is None
+
+
+class Wake:
+    """A model with no node awake but some asleep: the request waits while one is woken (sleep/ondemand.py);
+    503 when none wakes in time."""
+
+    def __init__(self, app: Handler, on_demand: WakeOnDemand) -> None:
+        self.app, self._on_demand = app, on_demand
+
+    async def __call__(self, request: ProxyRequest) -> None:
+        try:
+            await self._on_demand.ready(request.model, request.receive)
+        except ProxyError as exc:
+            await request.refuse(exc)
+            return
+        await self.app(request)
 
 
 class PickFlow:

@@ -22,7 +22,7 @@ from vllm_etcd_proxy.proxy.telemetry.spans import NO_TRACE, RequestTrace
 if TYPE_CHECKING:
     from vllm_etcd_proxy.fleet.adapters import Adapter
     from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-    from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
+    from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
     from vllm_etcd_proxy.proxy.serving.flows import Flow
     from vllm_etcd_proxy.proxy.serving.parsing import ClientRequest
     from vllm_etcd_proxy.proxy.tenancy.keys import Limits

@@ -71,6 +71,8 @@ GENERATE_PATHS = frozenset(["/v1/completions", "/v1/chat/completions"])
 RESPONSES_PATH = "/v1/responses"
 _BY_ID = re.compile(r"^/v1/responses/([^/]{1,256})(/[a-z_]{1,32})?$")
 MODEL_CARD_PREFIX = "/v1/models/"
+ADMIN_PREFIX = "/admin/"
+"""The replica's node operations (operations/nodeops.py)."""
 
 METRIC_ROUTES = frozenset(
     [
@@ -105,7 +107,7 @@ BY_ID_ROUTE = "/v1/responses/{id}"
 
 def classify(path: str) -> Kind:
     """The kind of ``path`` (any method; a wrong method on one of the proxy's own routes gets its 405 there)."""
-    if path in OWN_PATHS or path.startswith(MODEL_CARD_PREFIX):
+    if path in OWN_PATHS or path.startswith(MODEL_CARD_PREFIX) or path.startswith(ADMIN_PREFIX):
         return Kind.OWN
     if path in NODE_ADMIN_PATHS:
         return Kind.NODE_ADMIN

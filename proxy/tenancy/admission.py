@@ -147,41 +147,57 @@ class Tenancy:
     ) -> tuple[Ticket, Send]:
         """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while queued);
         returns its ticket, and ``send`` with the ``x-ratelimit-*`` headers added when the key has limits."""
-        metrics = self.metrics
         tenant = limits.tenant if limits is not None else OPEN
-        estimate = estimate_tokens(raw_length, body)
-        grant = None
-        if limits is not None and limits.limited:
-            try:
-                grant = admit(self._counters_of(tenant), limits, self.fleet, estimate)
-            except RateLimited as exc:
-                metrics.child(metrics.rejections, tenant, _KINDS.get(exc.type, exc.type)).inc()
-                raise
+        grant = self._grant(limits, tenant, estimate_tokens(raw_length, body))
         if self.queue is not None and model is not None:
-            priority = limits.priority if limits is not None else None
-            if priority is None:
-                asked = body.get("priority") if body is not None else None
-                priority = asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
-            started = time.monotonic()
-            try:
-                entered = await self.queue.enter(model, tenant, priority, receive)
-            except QueueTimeout:
-                metrics.child(metrics.rejections, tenant, "queue_timeout").inc()
-                if grant is not None:
-                    grant.finish(0)
-                raise
-            except BaseException:
-                if grant is not None:
-                    grant.finish(0)
-                raise
-            waited = time.monotonic() - started
-            if not entered:
-                metrics.child(metrics.queue_left, tenant).inc()
-                if grant is not None:
-                    grant.finish(0)
-                raise ClientLeft("the client left while its request was queued")
-            if waited > 0.0005:
-                metrics.child(metrics.queue_wait, tenant).observe(waited)
-        metrics.child(metrics.requests, tenant).inc()
+            await self._wait_turn(self.queue, model, tenant, _priority(limits, body), grant, receive)
+        self.metrics.child(self.metrics.requests, tenant).inc()
         ticket = Ticket(self, grant, model, tenant, raw_length // 4)
         return ticket, ticket.wrap(send)
+
+    def _grant(self, limits: Limits | None, tenant: str, estimate: int) -> Grant | None:
+        """The key's limits applied (None: it has none); a request over one is counted and ``RateLimited``."""
+        if limits is None or not limits.limited:
+            return None
+        try:
+            return admit(self._counters_of(tenant), limits, self.fleet, estimate)
+        except RateLimited as exc:
+            self.metrics.child(self.metrics.rejections, tenant, _KINDS.get(exc.type, exc.type)).inc()
+            raise
+
+    async def _wait_turn(
+        self, queue: FairQueue, model: str, tenant: str, priority: int, grant: Grant | None, receive: Receive
+    ) -> None:
+        """Wait for the request's turn in the fair queue; one that gets none gives its grant back."""
+        metrics = self.metrics
+        started = time.monotonic()
+        try:
+            entered = await queue.enter(model, tenant, priority, receive)
+        except QueueTimeout:
+            metrics.child(metrics.rejections, tenant, "queue_timeout").inc()
+            _give_back(grant)
+            raise
+        except BaseException:
+            _give_back(grant)
+            raise
+        waited = time.monotonic() - started
+        if not entered:
+            metrics.child(metrics.queue_left, tenant).inc()
+            _give_back(grant)
+            raise ClientLeft("the client left while its request was queued")
+        if waited > 0.0005:
+            metrics.child(metrics.queue_wait, tenant).observe(waited)
+
+
+def _priority(limits: Limits | None, body: dict[str, Any] | None) -> int:
+    """The key's priority in the queue, else the body's ``priority`` (vLLM's field), else 0."""
+    if limits is not None and limits.priority is not None:
+        return limits.priority
+    asked = body.get("priority") if body is not None else None
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
+
+
+def _give_back(grant: Grant | None) -> None:
+    """A request that was not sent costs no tokens (its concurrency slot is freed)."""
+    if grant is not None:
+        grant.finish(0)

@@ -25,15 +25,19 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import QueueTimeout
 
+RECHECK = 1.0
+"""Seconds between looks at a model's nodes while requests wait: scrapes and request ends wake the queue, this only
+catches what has no event."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class QueueSettings:
     timeout: float
     """Longest wait in the queue before 503 (0: queueing off)."""
     max_connections: int
-    when_waiting: int = 0
+    when_waiting: int
     """A node whose scraped waiting queue holds this many is full (0: only --max-connections counts)."""
-    recheck: float = 0.5
+    recheck: float = RECHECK
 
 
 @dataclass(eq=False)

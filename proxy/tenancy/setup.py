@@ -64,12 +64,10 @@ def build_tenancy(
     fleet = Fleet(view, grace=grace, decay=decay, watching=watching)
     queue = None
     if settings.queue_timeout > 0:
-        recheck = 1.0  # scrapes and request ends wake the queue; this only catches what has no event
         queue_settings = QueueSettings(
             timeout=settings.queue_timeout,
             max_connections=settings.max_connections,
             when_waiting=settings.queue_when_waiting,
-            recheck=recheck,
         )
 
         def share(tenant: str) -> int:

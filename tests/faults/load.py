@@ -435,28 +435,30 @@ class _StreamReader:
             return None
         if self.dones:
             self.after_done += 1
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return f"not JSON: {payload[:200]}"
-        if not isinstance(event, dict):
-            return f"not an object: {payload[:200]}"
+        event = _event(payload)
+        if isinstance(event, str):
+            return event
+        self._take(event)
+        return None
+
+    def _take(self, event: dict[str, Any]) -> None:
         if "error" in event:
             self.errors.append(event["error"])
-            return None
+            return
         self.identities.add((event.get("id"), event.get("created"), event.get("model")))
         usage = event.get("usage")
         if isinstance(usage, dict) and "completion_tokens" in usage:
             self.usage = (int(usage.get("prompt_tokens") or 0), int(usage["completion_tokens"]))
         for choice in event.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            piece = choice.get("text") or (choice.get("delta") or {}).get("content")
-            if piece:
-                self.tokens += 1
-                self.text.append(piece)
-            self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        return None
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self._take_choice(choice)
+
+    def _take_choice(self, choice: dict[str, Any]) -> None:
+        piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+        if piece:
+            self.tokens += 1
+            self.text.append(piece)
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
 
     def fields(self) -> dict[str, Any]:
         answer = Answer(text="".join(self.text), finish_reason=self.finish_reason, usage=self.usage)
@@ -472,6 +474,17 @@ class _StreamReader:
         if self.tokens == 0:
             return {**fields, "result": BAD_RESPONSE, "detail": "stream without a content chunk"}
         return {**fields, "result": OK}
+
+
+def _event(payload: str) -> dict[str, Any] | str:
+    """The event of one ``data:`` line, or why it is not a JSON object."""
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return f"not JSON: {payload[:200]}"
+    if not isinstance(event, dict):
+        return f"not an object: {payload[:200]}"
+    return event
 
 
 async def _stream_answer(response: httpx.Response, disconnect_after: int | None) -> dict[str, Any]:

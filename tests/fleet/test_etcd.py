@@ -110,6 +110,21 @@ async def test_put_get_delete_round_trip(client: EtcdClient) -> None:
     assert await client.delete("/t/a") == 0
 
 
+async def test_a_conditional_put_or_delete_happens_only_while_the_key_is_unchanged(client: EtcdClient) -> None:
+    first = await client.put_if("/t/claim", b"mine", mod_revision=0)
+    assert first > 0 and await client.put_if("/t/claim", b"theirs", mod_revision=0) == 0  # it exists now
+    assert (await client.get("/t/claim")).value == b"mine"  # type: ignore[union-attr]
+    second = await client.put_if("/t/claim", b"changed", mod_revision=first)
+    assert second > first and await client.put_if("/t/claim", b"stale", mod_revision=first) == 0
+    assert not await client.delete_if("/t/claim", mod_revision=first)
+    assert await client.delete_if("/t/claim", mod_revision=second)
+    assert await client.get("/t/claim") is None
+    lease = await client.grant(5)
+    assert await client.put_if("/t/claim", b"leased", mod_revision=0, lease=lease)
+    await client.revoke(lease)
+    assert await client.get("/t/claim") is None
+
+
 async def test_get_prefix_pages_through_every_key_at_one_revision(
     client: EtcdClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,7 +8,7 @@ import pytest
 from google.protobuf import json_format
 
 from vllm_etcd_proxy.fleet.pb import node_record_pb2
-from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, Source, Status, decode_record
+from vllm_etcd_proxy.fleet.records import InvalidRecord, KeyLayout, Role, Sleep, Source, Status, decode_record
 
 LAYOUT = KeyLayout()
 
@@ -21,6 +21,7 @@ INVALID = [
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"url": "http://u:p@10.0.0.1:8000"}', "credentials"),
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"role": "prefill"}', "does not match"),
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"status": "asleep"}', "unknown status"),
+    (b"/vllm/default/decode/10.0.0.1:8000", b'{"sleep": "napping"}', "unknown sleep mark"),
     (b"/vllm/default/decode/10.0.0.1:8000", b'{"models": 5}', "not a node record"),
     (b"/vllm/default/decode/10.0.0.1:8000", b"\xff\xfe", "not UTF-8"),
     (b"/vllm/default/decode/\xff:1", b"", "not UTF-8"),
@@ -125,3 +126,10 @@ def test_kv_event_endpoints_are_read_in_both_spellings() -> None:
         assert (node.kv_events, node.kv_events_replay) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
     bare = LAYOUT.parse(b"/vllm/default/mixed/10.0.0.5:8000", b'{"kv_events_replay": "tcp://[::1]:5558"}')
     assert (bare.kv_events, bare.kv_events_replay) == (None, None)  # a replay socket alone says nothing
+
+
+def test_the_sleep_mark_is_read_and_absent_means_awake() -> None:
+    key = b"/vllm/default/mixed/10.0.0.1:8000"
+    assert LAYOUT.parse(key, b'{"sleep": "draining"}').sleep is Sleep.DRAINING
+    assert LAYOUT.parse(key, b'{"sleep": "asleep", "status": "serving"}').sleep is Sleep.ASLEEP
+    assert LAYOUT.parse(key, b"{}").sleep is Sleep.AWAKE and LAYOUT.parse(key, b"").sleep is Sleep.AWAKE

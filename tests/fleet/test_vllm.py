@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_etcd_proxy.fleet.vllm import parse_models, read_node_load
+from vllm_etcd_proxy.fleet.vllm import parse_models, read_asleep, read_finished, read_node_load
 
 
 def test_models_are_the_ids_of_the_openai_list_in_order() -> None:
@@ -29,3 +29,22 @@ vllm:num_requests_running_total 99
 """
     assert read_node_load(page) == (3, 4, 0.5)
     assert read_node_load(b"process_cpu_seconds_total 1.0\n") is None
+
+
+def test_finished_requests_are_summed_over_engines_and_reasons_and_unknown_without_the_counter() -> None:
+    page = (
+        b'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 5.0\n'
+        b'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0\n'
+        b'vllm:request_success_total{engine="1",finished_reason="abort",model_name="m"} 1.0\n'
+    )
+    assert read_finished(page) == 8.0
+    assert read_finished(b"vllm:num_requests_running 0\n") is None
+
+
+def test_a_level_0_sleep_reads_as_asleep_as_vllm_sets_only_awake_to_0() -> None:
+    page = (
+        b'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 0.0\n'
+        b'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0.0\n'
+        b'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="discard_all"} 0.0\n'
+    )
+    assert read_asleep(page) is True

@@ -3,15 +3,21 @@ ids whatever the nodes' hashes, removals by the nodes' hashes, and the choice be
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from vllm_etcd_proxy.fleet.records import Node, Role
-from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Malformed, Removed, Stored, read_batch, read_seq
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.routing.kvchoice import KvAware, KvRouting
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt, token_id_prompt
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt, token_id_prompt
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import SOFT_CUT
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import CHECKED_SPLITS, PromptTokens
+from vllm_etcd_proxy.proxy.kvcache.wire import Cleared, Malformed, Removed, Stored, read_batch, read_seq
+from vllm_etcd_proxy.proxy.routing.kv_aware import HEAD_TOKENS, KvAware, KvRouting
+from vllm_etcd_proxy.sim import vocab
 
 BS = 4
 IDS = list(range(1, 13))  # three blocks
@@ -303,3 +309,45 @@ def test_a_document_one_conversation_began_with_draws_its_next_turns_but_not_new
     assert placed in (nodes[1], nodes[2]) and routing.decisions == {"cached_prefix": 1, "load": 1}
     # Its next turn, sent at once, follows it there before that node's events say anything.
     assert choose.choose(nodes, key="other", prompt=KvPrompt([*document, 8, 8, 8, 8, 9, 9], "m")) is placed
+
+
+def test_a_long_prompt_no_node_holds_is_tokenized_only_as_far_as_its_first_blocks(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    tokens = PromptTokens({"m": str(vocab.write(tmp_path))}, lambda model: [], registry)
+    tokens.start()
+    tokens._loads[str(tmp_path)].result(timeout=30)  # loaded in its own thread
+    for i in range(CHECKED_SPLITS):  # a model's first chats are also tokenized whole, as a check
+        tokens.prompt_ids("m", {"messages": [{"role": "user", "content": f"hello {i}"}]}, "chat")
+    before = registry.get_sample_value("vllm_proxy_prompt_ids_total", {"source": "tokenized"}) or 0.0
+
+    def tokenized() -> float:
+        return (registry.get_sample_value("vllm_proxy_prompt_ids_total", {"source": "tokenized"}) or 0.0) - before
+
+    def read(messages: list[dict[str, str]]) -> KvPrompt:
+        ids = tokens.ids("m", {"messages": messages}, "chat")
+        assert ids is not None
+        return KvPrompt(ids, "m")
+
+    index = KvIndex()
+    nodes = [state(n) for n in ("a", "b")]
+    for i, node in enumerate(nodes):  # each holds a block of something else
+        index.apply(node.entry_key, [stored([60 + i], [8 + i] * BS)])
+    choose, routing = policy(index)
+    document = " ".join(vocab.WORDS[i % len(vocab.WORDS)] for i in range(20_000))  # a token per word
+    first = [{"role": "user", "content": document}]
+    prompt = read(first)
+    uncached = routing.uncached(prompt, nodes, upto=256)  # as for --pd-min-prompt-tokens 256, before the choice
+    placed = choose.choose(nodes, key="doc", prompt=prompt)
+    assert uncached is not None and uncached >= 256 and placed is not None and routing.decisions == {"load": 1}
+    assert tokenized() < HEAD_TOKENS + SOFT_CUT  # of 20,000 tokens: nothing after the first block can be a hit
+    # The node it went to announces the prompt's blocks: the next turn is read whole, and follows it there.
+    node_side = PromptTokens({"m": str(tmp_path)}, lambda model: [], CollectorRegistry(), cache_tokens=0)
+    node_side.start()
+    node_side._loads[str(tmp_path)].result(timeout=30)
+    ids = node_side.prompt_ids("m", {"messages": first}, "chat")
+    assert ids is not None
+    blocks = len(ids) // BS
+    index.apply(placed.entry_key, [stored(list(range(1000, 1000 + blocks)), ids[: blocks * BS])])
+    turn = [*first, {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then"}]
+    assert choose.choose(nodes, key="doc", prompt=read(turn)) is placed
+    assert routing.decisions == {"load": 1, "cached_prefix": 1} and tokenized() > 20_000  # the rest, now

@@ -14,7 +14,7 @@ import pytest
 from tests.support.etcd_server import EtcdServer
 from tests.support.procs import HOST, free_port, wait_until
 from tests.support.proxy_proc import ProxyProc
-from tests.support.sim_node import SimNode
+from tests.support.sim_node import DEV_MODE, SimNode
 
 BS = 4
 NAMES = ("a", "b", "c")
@@ -39,7 +39,9 @@ class Fleet:
                 "replay_endpoint": replay,
                 "topic": "kv",
             }
-            node = SimNode(self.root, f"sim-{name}", block_size=BS, output_len=1, kv_events_config=json.dumps(config))
+            node = SimNode(
+                self.root, f"sim-{name}", env=DEV_MODE, block_size=BS, output_len=1, kv_events_config=json.dumps(config)
+            )
             self.nodes[name], self.endpoints[name] = node.start(), (events, replay)
             record = {
                 "url": node.url,
@@ -146,6 +148,28 @@ def test_a_prefix_a_node_announced_draws_its_requests_through_every_replica(flee
     state = kv_state(fleet.proxies[1], fleet.nodes["b"])
     assert state["connected"] and state["blocks_indexed"] >= 6 and state["block_size"] == BS
     assert state["malformed"] == state["gaps"] == state["restarts"] == 0
+
+
+def lag_histogram(proxy: ProxyProc) -> dict[str, float]:
+    """The publish-to-index lag histogram's samples: bucket bound (and "count", "sum") -> value."""
+    found = {}
+    for line in proxy.get("/metrics").text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("vllm_proxy_kv_event_lag_seconds_bucket{"):
+            found[name.split('"')[1]] = float(value)
+        elif name in ("vllm_proxy_kv_event_lag_seconds_count", "vllm_proxy_kv_event_lag_seconds_sum"):
+            found[name.rsplit("_", 1)[1]] = float(value)
+    return found
+
+
+def test_how_far_the_index_lags_behind_the_nodes_is_on_metrics(fleet: Fleet) -> None:
+    proxy = fleet.proxies[0]
+    before = lag_histogram(proxy)
+    announce(fleet, "a", prefix(71), [proxy])
+    after = lag_histogram(proxy)
+    assert after["count"] > before.get("count", 0) and after["sum"] >= before.get("sum", 0)
+    assert after["+Inf"] == after["count"]  # cumulative buckets, as Prometheus reads them
+    assert after["10.0"] <= after["+Inf"] and after["0.001"] <= after["0.1"] <= after["10.0"]
 
 
 def test_a_salted_prompt_is_cached_only_for_its_own_salt(fleet: Fleet) -> None:

@@ -11,6 +11,10 @@ import httpx
 from tests.support.procs import HOST, free_port, wait_until
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import SOFT_CUT
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import CHECKED_SPLITS
+from vllm_etcd_proxy.proxy.routing.kv_aware import HEAD_TOKENS
+from vllm_etcd_proxy.sim import vocab
 
 BS = 4
 
@@ -139,6 +143,63 @@ def test_a_chat_finds_the_blocks_of_its_rendered_prompt(logs_dir: Path, tmp_path
         )
         assert answer.status_code == 200 and answer.headers["x-sim-node"] == holder.host_port
         assert decisions(proxy)["cached_prefix"] == before + 1
+    finally:
+        proxy.stop()
+        for node in nodes:
+            node.stop()
+
+
+def ids_tokenized(proxy: ProxyProc) -> float:
+    for line in proxy.get("/metrics").text.splitlines():
+        if line.startswith('vllm_proxy_prompt_ids_total{source="tokenized"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_long_new_conversation_is_tokenized_only_as_far_as_routing_needs(logs_dir: Path, tmp_path: Path) -> None:
+    tokenizer = tmp_path / "sim-tokenizer"
+    knobs = {"tokenizer": tokenizer, "max_model_len": 32768}
+    nodes, flags = zip(*(publishing(logs_dir, f"kv-long-{n}", **knobs) for n in "ab"), strict=True)
+    proxy = ProxyProc(
+        logs_dir, "--mixed", *(n.host_port for n in nodes), *(arg for flag in flags for arg in ("--kv-events", flag))
+    )
+    document = " ".join(vocab.WORDS[i % len(vocab.WORDS)] for i in range(10_000))  # a token per word
+
+    def chat(*more: dict[str, str]) -> dict[str, object]:
+        return {"model": "sim-model", "messages": [{"role": "user", "content": document}, *more], "max_tokens": 1}
+
+    try:
+        for node in nodes:
+            wait_until(lambda n=node: kv_state(proxy, n)["tracked"], 10, f"{node.name} tracked")
+
+        def tokenizing() -> bool:
+            before = decisions(proxy).get("fallback", 0)
+            probe = {"model": "sim-model", "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1}
+            assert proxy.post("/v1/chat/completions", json=probe).status_code == 200
+            return decisions(proxy).get("fallback", 0) == before
+
+        wait_until(tokenizing, 20, "the proxy tokenizing chats", interval=0.2)
+        for i in range(CHECKED_SPLITS):  # a model's first chats are also tokenized whole, as a check
+            short = {"model": "sim-model", "messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 1}
+            assert proxy.post("/v1/chat/completions", json=short).status_code == 200
+        before, placed = ids_tokenized(proxy), decisions(proxy)
+        first = proxy.post("/v1/chat/completions", json=chat())
+        assert first.status_code == 200 and first.json()["usage"]["prompt_tokens"] > 10_000
+        # No node holds any of it: routed by load, on the ids of its first blocks alone.
+        assert ids_tokenized(proxy) - before < HEAD_TOKENS + SOFT_CUT
+        assert decisions(proxy)["load"] == placed["load"] + 1
+        holder = next(n for n in nodes if n.host_port == first.headers["x-sim-node"])
+        wait_until(lambda: kv_state(proxy, holder)["blocks_indexed"] >= 2500, 10, "the holder's blocks")  # type: ignore[operator]
+        answer = first.json()["choices"][0]["message"]["content"]
+        second = proxy.post(
+            "/v1/chat/completions",
+            json=chat({"role": "assistant", "content": answer}, {"role": "user", "content": "and then"}),
+        )
+        # Its start is cached on the holder now: the next turn is read whole (the rest of the first turn too,
+        # this once) and stays where its cache is.
+        assert second.status_code == 200 and second.headers["x-sim-node"] == holder.host_port
+        assert decisions(proxy)["cached_prefix"] == placed.get("cached_prefix", 0) + 1
+        assert ids_tokenized(proxy) - before > 10_000
     finally:
         proxy.stop()
         for node in nodes:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from vllm_etcd_proxy.fleet.records import Node, Role, Status
+from dataclasses import replace
+
+from vllm_etcd_proxy.fleet.records import Node, Role, Sleep, Status
 from vllm_etcd_proxy.proxy.discovery.events import PoolEvent, Remove, Snapshot, Upsert
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 
@@ -90,3 +92,18 @@ def test_a_model_counts_as_in_demand_from_its_first_request() -> None:
     assert asked == ["m"]  # once, not per request
     assert pool.in_demand(first) and not pool.in_demand(second)
     assert pool.serving("m") == [first]
+
+
+def test_a_node_marked_for_sleep_leaves_the_candidates_and_is_awake_again_once_the_mark_is_cleared() -> None:
+    pool = Pool()
+    pool.apply(Snapshot(nodes=(node(1), node(2)), revision=1))
+    first = pool.get(node(1).key or "")
+    assert first is not None
+    pool.set_asleep(first, True)  # its /metrics said so
+    pool.apply(Upsert(node=replace(node(1), sleep=Sleep.ASLEEP), revision=2))
+    assert [s.node.node_id for s in pool.candidates(Role.MIXED, "m")] == [node(2).node_id]
+    assert pool.sleeping("m") == [first] and not first.routable
+    pool.apply(Upsert(node=node(1), revision=3))  # woken: whoever woke it cleared the mark
+    assert not first.asleep and first in pool.candidates(Role.MIXED, "m") and pool.sleeping("m") == []
+    pool.set_sleep_mark(first, Sleep.DRAINING)  # a node without etcd: marked in memory
+    assert first not in pool.candidates(Role.MIXED, "m") and first.node.sleep is Sleep.DRAINING

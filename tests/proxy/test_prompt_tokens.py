@@ -1,4 +1,4 @@
-"""Requests to token ids (proxy/routing/tokens.py) against a real vllm-sim serving its Hugging Face tokenizer
+"""Requests to token ids (proxy/kvcache/prompt/tokens.py) against a real vllm-sim serving its Hugging Face tokenizer
 directory: the ids the proxy computes are the ids the node reports for the same request."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.support.sim_node import SimNode
 from vllm_etcd_proxy.fleet.vllm import ModelCard, parse_model_cards
 from vllm_etcd_proxy.proxy.app import build_app
 from vllm_etcd_proxy.proxy.flags import build_parser, settings_from_args
-from vllm_etcd_proxy.proxy.routing.tokens import Loaded, PromptTokens, load
+from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import Loaded, PromptTokens, load
 from vllm_etcd_proxy.sim import protocol, tokens, vocab
 
 MODEL = "sim-model"
@@ -183,7 +183,7 @@ async def test_a_model_without_a_tokenizer_gives_none_and_one_warning(
     node = SimNode(logs_dir).start()  # the word tokenizer: its card's root is no directory
     try:
         tokens = prompt_tokens(cards_of(node))
-        with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.routing.tokens"):
+        with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.kvcache.prompt.tokens"):
             for _ in range(3):
                 assert tokens.prompt_ids(MODEL, CHATS[0], "chat") is None
                 assert tokens.prompt_ids("other-model", {"prompt": "hi"}, "completion") is None
@@ -250,7 +250,7 @@ async def test_a_tokenizer_that_restarts_differently_after_a_cut_is_tokenized_wh
     template = "{% for m in messages %}{{ m['content'] }}<eot>{% endfor %}"
     tokens = await loaded(prompt_tokens([], {"m": write_tokenizer(tmp_path / "meta", tokenizer, template)}), "m")
     messages = [{"role": "user", "content": "a"}]
-    with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.routing.tokens"):
+    with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.kvcache.prompt.tokens"):
         for turn in range(4):
             ids = tokens.prompt_ids("m", {"messages": messages}, "chat")
             assert ids == [3, 1] + [4, 1] * turn
@@ -309,7 +309,7 @@ async def test_a_bad_cut_the_samples_miss_is_caught_on_the_first_chats(
     template = "{% for m in messages %}{{ m['content'] }}<x0>{% endfor %}"
     tokens = await loaded(prompt_tokens([], {"m": write_tokenizer(tmp_path / "meta", tokenizer, template)}), "m")
     messages = [{"role": "user", "content": "a"}]
-    with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.routing.tokens"):
+    with caplog.at_level(logging.WARNING, "vllm_etcd_proxy.proxy.kvcache.prompt.tokens"):
         for turn in range(4):
             assert tokens.prompt_ids("m", {"messages": messages}, "chat") == [101, 0] + [99, 0] * turn
             messages = [*messages, {"role": "user", "content": "a"}]

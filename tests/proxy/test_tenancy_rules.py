@@ -103,7 +103,9 @@ async def test_the_queue_serves_higher_priority_first_then_tenants_by_share() ->
     (node,) = pool.all()
     pool.request_started(node)  # the node's one connection is taken: the model is full
     shares = {"big": 2, "small": 1}
-    queue = FairQueue(pool, QueueSettings(timeout=10, max_connections=1), shares.__getitem__, lambda m, c: None)
+    queue = FairQueue(
+        pool, QueueSettings(timeout=10, max_connections=1, when_waiting=0), shares.__getitem__, lambda m, c: None
+    )
 
     async def receive() -> dict[str, object]:  # a client that stays: its disconnect never comes
         return await asyncio.get_running_loop().create_future()

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.procs import wait_until
 from tests.support.proxy_proc import ProxyProc
-from tests.support.sim_node import SimNode
+from tests.support.sim_node import DEV_MODE, SimNode
 
 MODEL = "sim-model"
 ADAPTER = "sim-lora"
@@ -29,7 +29,8 @@ def module_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def nodes(module_logs: Path) -> Iterator[list[SimNode]]:
     started = [
-        SimNode(module_logs, f"node-{i}", role="mixed", lora=ADAPTER, max_model_len=8192 - 1024 * i) for i in range(2)
+        SimNode(module_logs, f"node-{i}", env=DEV_MODE, role="mixed", lora=ADAPTER, max_model_len=8192 - 1024 * i)
+        for i in range(2)
     ]
     try:
         for node in started:

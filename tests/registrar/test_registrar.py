@@ -258,6 +258,24 @@ def test_unhealthy_node_is_withdrawn_and_restored_under_the_same_lease(
     assert "node unhealthy, withdrawn" in log and "node healthy again, restored" in log
 
 
+def test_a_sleep_mark_the_proxy_wrote_into_the_record_survives_the_registrars_next_write(
+    etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar, tmp_path: Path
+) -> None:
+    unhealthy = tmp_path / "unhealthy"
+    node = sims(unhealthy_file=unhealthy)
+    registrar = registrars(node.url)
+    key = decode_key(node.host_port)
+    entry = wait_for_key(etcd, key)
+    marked = json.dumps({**entry.record, "sleep": "asleep"}, separators=(",", ":"), sort_keys=True)
+    etcd.etcdctl("put", f"--lease={entry.lease:x}", key, marked)  # as the proxy's node operations write it
+    registrar.wait_for_log("sleep mark kept")
+    unhealthy.touch()  # withdrawn, then restored: the registrar writes its record again
+    wait_for_no_key(etcd, key, timeout=5)
+    unhealthy.unlink()
+    restored = wait_for_key(etcd, key, timeout=5, status="serving")
+    assert restored.record["sleep"] == "asleep" and restored.lease == entry.lease
+
+
 def test_a_record_is_not_written_again_while_the_nodes_models_stay_the_same(
     etcd: EtcdServer, sims: StartSim, registrars: StartRegistrar
 ) -> None:

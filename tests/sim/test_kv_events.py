@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from tests.support.procs import HOST, free_port
-from tests.support.sim_node import SimNode
+from tests.support.sim_node import DEV_MODE, SimNode
 
 BS = 4
 PROMPT = list(range(100, 110))  # two full blocks and a partial one
@@ -29,7 +29,15 @@ def node(logs_dir: Path) -> Iterator[tuple[SimNode, str, str]]:
         "replay_endpoint": replay,
         "topic": "kv",
     }
-    sim = SimNode(logs_dir, "kv-sim", block_size=BS, cache_blocks=6, output_len=1, kv_events_config=json.dumps(config))
+    sim = SimNode(
+        logs_dir,
+        "kv-sim",
+        env=DEV_MODE,
+        block_size=BS,
+        cache_blocks=6,
+        output_len=1,
+        kv_events_config=json.dumps(config),
+    )
     with sim:
         yield sim, pub, replay
 

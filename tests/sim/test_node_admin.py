@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.sim_node import RUNTIME_LORA, SimNode
+from tests.support.aio import eventually
+from tests.support.sim_node import DEV_MODE, RUNTIME_LORA, SimNode
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
@@ -22,7 +23,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
     logs = tmp_path_factory.mktemp("sim-admin")
     with SimNode(
         logs,
-        env=RUNTIME_LORA,
+        env={**RUNTIME_LORA, **DEV_MODE},
         model=[MODEL, "alias"],
         model_root="/models/sim",
         lora=["sql", "chat=/loras/chat"],
@@ -112,10 +113,10 @@ async def test_loading_and_unloading_an_adapter_changes_the_model_cards(
     assert {r["path"] for r in node.requests()} >= {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 
 
-async def test_admin_routes_answer_200_and_are_recorded(node: SimNode, client: httpx.AsyncClient) -> None:
-    for path in ("/reset_prefix_cache", "/start_profile", "/stop_profile"):
+async def test_admin_routes_answer_as_vllms_and_are_recorded(node: SimNode, client: httpx.AsyncClient) -> None:
+    for path, answer in (("/reset_prefix_cache", b'{"success":true}'), ("/start_profile", b""), ("/stop_profile", b"")):
         response = await client.post(f"{node.url}{path}", headers={"x-request-id": f"admin{path}"})
-        assert (response.status_code, response.content) == (200, b"")
+        assert (response.status_code, response.content) == (200, answer)
         assert node.wait_for_request(request_id=f"admin{path}")["path"] == path
 
 
@@ -216,7 +217,9 @@ async def test_an_aborting_sleep_ends_running_generations_with_finish_reason_abo
     assert (record["state"], record["completion_tokens"]) == ("aborted", 2)
 
 
-async def test_a_waiting_sleep_lets_running_generations_finish(node: SimNode, client: httpx.AsyncClient) -> None:
+async def test_a_waiting_sleep_answers_once_running_generations_finished(
+    node: SimNode, client: httpx.AsyncClient
+) -> None:
     node.configure(hang_after_tokens=2)
     try:
         running = asyncio.ensure_future(
@@ -225,11 +228,114 @@ async def test_a_waiting_sleep_lets_running_generations_finish(node: SimNode, cl
             )
         )
         await asyncio.to_thread(node.wait_for_request, request_id="kept", state="hung")
-        assert (await client.post(f"{node.url}/sleep", params={"mode": "wait"})).status_code == 200
+        sleeping = asyncio.ensure_future(client.post(f"{node.url}/sleep", params={"mode": "wait"}))
+        await eventually(lambda: is_sleeping(node), 5.0, "the scheduler paused")
+        assert not sleeping.done()  # vLLM's sleep with mode=wait completes once the engine has drained
         node.configure(hang_after_tokens=0)
         answer = (await asyncio.wait_for(running, 5.0)).json()
+        assert (await asyncio.wait_for(sleeping, 5.0)).json() == {"status": "sleeping", "level": 1}
     finally:
         node.wake_up()
         node.configure(hang_after_tokens=0)
     assert answer["choices"][0]["finish_reason"] == "length"
     assert node.wait_for_request(request_id="kept")["state"] == "done"
+
+
+def is_sleeping(node: SimNode) -> bool:
+    return bool(httpx.get(f"{node.url}/is_sleeping", timeout=5.0).json()["is_sleeping"])
+
+
+def sleep_state(node: SimNode) -> dict[str, float]:
+    """``vllm:engine_sleep_state`` by its ``sleep_state`` label."""
+    found = {}
+    for line in node.metrics().splitlines():
+        if line.startswith("vllm:engine_sleep_state{"):
+            state = line.split('sleep_state="', 1)[1].split('"', 1)[0]
+            found[state] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+async def test_a_keeping_sleep_freezes_running_generations_until_the_wake(
+    node: SimNode, client: httpx.AsyncClient
+) -> None:
+    node.configure(itl=0.05)
+    try:
+        running = asyncio.ensure_future(
+            client.post(
+                f"{node.url}/v1/completions",
+                json={"model": MODEL, "prompt": "keep me", "max_tokens": 40, "ignore_eos": True},
+                headers={"x-request-id": "frozen"},
+            )
+        )
+        await asyncio.to_thread(node.wait_for_request, request_id="frozen", state="running")
+        assert node.sleep(level=1, mode="keep") == {"status": "sleeping", "level": 1}
+        await asyncio.to_thread(node.wait_for_request, request_id="frozen", state="sleeping")
+        frozen_at = node.wait_for_request(request_id="frozen")["completion_tokens"]
+        assert not running.done() and frozen_at < 40
+    finally:
+        node.wake_up()
+        node.configure(itl=0.002)
+    answer = (await asyncio.wait_for(running, 10.0)).json()
+    assert answer["choices"][0]["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 40
+
+
+async def test_sleep_levels_tags_and_the_sleep_state_gauge_are_vllms(node: SimNode, client: httpx.AsyncClient) -> None:
+    gib = 1 << 30
+    assert sleep_state(node) == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert node.gpu_memory() == 2 * gib  # 1 GiB of weights and 1 of KV cache by default
+    try:
+        # Level 0 pauses the scheduler only: no memory moves, no state is 1; "scheduling" wakes it.
+        assert node.sleep(level=0) == {"status": "sleeping", "level": 0}
+        assert is_sleeping(node) and node.gpu_memory() == 2 * gib
+        assert sleep_state(node) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+        assert node.wake_up("scheduling") == {"status": "awake", "tags": ["scheduling"]}
+        assert not is_sleeping(node) and sleep_state(node)["awake"] == 1.0
+        # Level 1 offloads the weights and drops the KV cache; waking the weights alone is a partial wake.
+        node.sleep(level=1)
+        assert node.gpu_memory() == 0 and sleep_state(node)["weights_offloaded"] == 1.0
+        assert node.wake_up("weights") == {"status": "sleeping", "tags": ["weights"]}
+        assert node.gpu_memory() == gib and is_sleeping(node) and sleep_state(node)["awake"] == 0.0
+        assert node.wake_up("kv_cache") == {"status": "awake", "tags": ["kv_cache"]}
+        assert node.gpu_memory() == 2 * gib and sleep_state(node)["awake"] == 1.0
+        node.sleep(level=2)
+        assert sleep_state(node) == {"awake": 0.0, "weights_offloaded": 0.0, "discard_all": 1.0}
+        assert node.wake_up() == {"status": "awake", "tags": None}
+        for query, where, kind in (("level=3", "level", "less_than_equal"), ("mode=later", "mode", "literal_error")):
+            refused = await client.post(f"{node.url}/sleep?{query}")
+            assert refused.status_code == 422
+            (problem,) = refused.json()["detail"]
+            assert (problem["loc"], problem["type"]) == (["query", where], kind)
+        assert not is_sleeping(node)
+    finally:
+        node.wake_up()
+
+
+def test_the_sleep_routes_need_vllms_dev_mode(tmp_path: Path) -> None:
+    with SimNode(tmp_path, "no-dev") as plain:
+        for method, path in (("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping")):
+            assert httpx.request(method, f"{plain.url}{path}", timeout=5.0).status_code == 404
+
+
+def test_two_nodes_time_share_one_gpu_only_while_the_other_sleeps(tmp_path: Path) -> None:
+    gpu = {"gpu": tmp_path / "gpu0", "gpu_capacity_gib": 3.0, "wake_time": 0.2}
+    with SimNode(tmp_path, "gpu-a", env=DEV_MODE, **gpu) as a:
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            SimNode(tmp_path, "gpu-b-early", env=DEV_MODE, **gpu).start()
+        a.sleep(level=1)
+        with SimNode(tmp_path, "gpu-b", env=DEV_MODE, **gpu) as b:
+            refused = httpx.post(f"{a.url}/wake_up", timeout=10.0)
+            assert refused.status_code == 500 and "CUDA out of memory" in refused.json()["error"]["message"]
+            assert is_sleeping(a) and a.gpu_memory() == 0
+            b.sleep(level=1)
+            assert a.wake_up() == {"status": "awake", "tags": None} and a.gpu_memory() == 2 << 30
+            chat = {"model": "sim-model", "prompt": "hi", "max_tokens": 2}
+            assert httpx.post(f"{a.url}/v1/completions", json=chat, timeout=10.0).status_code == 200
+
+
+def test_an_injected_wake_failure_leaves_the_node_asleep(tmp_path: Path) -> None:
+    with SimNode(tmp_path, "wake-fail", env=DEV_MODE, wake_fail=503) as failing:
+        failing.sleep(level=1)
+        assert httpx.post(f"{failing.url}/wake_up", timeout=10.0).status_code == 503
+        assert is_sleeping(failing)
+        failing.configure(wake_fail=0)
+        assert failing.wake_up()["status"] == "awake"

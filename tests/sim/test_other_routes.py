@@ -11,14 +11,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.sim_node import SimNode
+from tests.support.sim_node import DEV_MODE, SimNode
 
 MODEL = "sim-model"
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimNode]:
-    with SimNode(tmp_path_factory.mktemp("sim-routes"), model=[MODEL], ttft=0.01, itl=0.002) as started:
+    with SimNode(tmp_path_factory.mktemp("sim-routes"), env=DEV_MODE, model=[MODEL], ttft=0.01, itl=0.002) as started:
         yield started
 
 

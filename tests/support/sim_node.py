@@ -11,7 +11,8 @@
 Keyword knobs are the CLI flags with underscores (``max_num_seqs=1``, ``api_key="k"``, ``hang=True``); a
 ``list``/``tuple`` value repeats the flag (``model=["a", "b"]``, ``lora=["sql", "chat=/loras/chat"]``). See
 ``python -m vllm_etcd_proxy.sim --help``. ``env`` adds environment variables (``RUNTIME_LORA`` serves the runtime
-LoRA routes, as ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` does in vLLM).
+LoRA routes, as ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` does in vLLM; ``DEV_MODE`` the sleep-mode and cache
+routes, as ``VLLM_SERVER_DEV_MODE=1``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import httpx
 from tests.support.procs import HOST, Proc, free_port, http_ok, python_module, wait_until
 
 RUNTIME_LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+"""vLLM serves its development routes (sleep mode, cache resets) only with this."""
 
 
 class SimNode:
@@ -179,12 +182,28 @@ class SimNode:
         """``ws://127.0.0.1:PORT``, for /v1/realtime."""
         return f"{'wss' if self.tls else 'ws'}://{self.host_port}"
 
-    def sleep(self, level: int = 1) -> None:
-        """POST /sleep: generation holds until wake_up(); /is_sleeping says so."""
-        httpx.post(f"{self.url}/sleep", params={"level": level}, timeout=5.0, verify=self.verify).raise_for_status()
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
+        """POST /sleep (needs ``DEV_MODE``): generation holds until wake_up(); /is_sleeping says so."""
+        params: dict[str, Any] = {"level": level, "mode": mode}
+        response = httpx.post(f"{self.url}/sleep", params=params, timeout=10.0, verify=self.verify)
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
 
-    def wake_up(self) -> None:
-        httpx.post(f"{self.url}/wake_up", timeout=5.0, verify=self.verify).raise_for_status()
+    def wake_up(self, *tags: str) -> dict[str, Any]:
+        """POST /wake_up, all of the node or ``tags`` (``weights``, ``kv_cache``, ``scheduling``)."""
+        params = [("tags", tag) for tag in tags]
+        response = httpx.post(f"{self.url}/wake_up", params=params, timeout=10.0, verify=self.verify)
+        response.raise_for_status()
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    def gpu_memory(self) -> int:
+        """What the node holds on its (simulated) GPU, from its ``vllm_sim:gpu_memory_used_bytes``."""
+        for line in self.metrics().splitlines():
+            if line.startswith("vllm_sim:gpu_memory_used_bytes{"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        raise AssertionError("no vllm_sim:gpu_memory_used_bytes on the node's /metrics")
 
     def close_websockets(self, code: int = 1000) -> list[str]:
         """Close every open /v1/realtime session from the node's side; returns their session ids."""

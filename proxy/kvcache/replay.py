@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable
 import zmq
 import zmq.asyncio
 
-from vllm_etcd_proxy.proxy.discovery.kvwire import Malformed, read_seq
+from vllm_etcd_proxy.proxy.kvcache.wire import Malformed, read_seq
 
 REPLAY_TIMEOUT = 2.0
 """Seconds to wait for each answer of a replay socket."""

@@ -15,7 +15,7 @@ on (``is_tip``; tips are kept for this without the window, up to ``MAX_TIPS`` a 
 counts as its end too: a history that tokenizes a little differently from what was generated (where the answer
 ends) leaves the next turn's cached prefix a block short of the tip.
 
-Blocks are named by the index's keys (kvindex.py), which every replica computes alike. Exceptions this does not
+Blocks are named by the index's keys (index.py), which every replica computes alike. Exceptions this does not
 see: a turn whose prompt the node holds whole and whose answer fills no block stores
 nothing (the conversation may age out early); a chat whose history renders differently from what was generated
 forks before the tip (counted as a new one; the old one ages out); a conversation whose last blocks the node
@@ -44,7 +44,7 @@ class Conversations:
         self._moved: dict[int, float] = {}
         """Tips that moved within the window -> when: for ``active``."""
         self.begun = 0
-        """Conversations begun here, ever (a counter: kvchoice.py matches its own placements against it)."""
+        """Conversations begun here, ever (a counter: routing/kv_aware.py matches its own placements against it)."""
         self._window = window
 
     def stored(self, parent: int | None, before: int | None, last: int, now: float) -> None:

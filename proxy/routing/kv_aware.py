@@ -1,15 +1,15 @@
 """The kv-aware policy: the node holding the longest cached prefix of the request, weighed against load.
 
-- Nodes whose KV events this replica follows (tracked: connected, not silent; discovery/kvsub.py) are judged by
+- Nodes whose KV events this replica follows (tracked: connected, not silent; kvcache/subscription.py) are judged by
   the index. When a node that is not overloaded (load, ``node_load``: the node's own running and waiting, or
   this replica's in flight, above ``1 + EPSILON`` times the mean plus ``SLACK``; or a KV cache nearly full)
   holds at least ``CACHED_SHARE`` of the prompt, the longest prefix wins (reason ``cached_prefix``): the next
   turn of a conversation stays where its cache is. When several nodes hold that longest prefix, it is a
   preamble that conversations share, and the request is a new conversation, placed as below; so is a prompt
   that goes on past its node's prefix from inside one of the node's chains (a document another conversation
-  began with), where a next turn goes on from a chain's last block (kvconversations.py tells them apart).
+  began with), where a next turn goes on from a chain's last block (kvcache/conversations.py tells them apart).
 - Otherwise (a new conversation, which at most shares a preamble with others) the node serving the fewest
-  conversations wins (as its events show them, kvconversations.py, plus those this replica sent it that its
+  conversations wins (as its events show them, kvcache/conversations.py, plus those this replica sent it that its
   events do not show yet; divided by its speed weight, so a slow node takes fewer), then the least loaded, ties
   broken by a hash of the request's affinity key and the node (reason ``load``). Every replica counts the same
   conversations from the same events within milliseconds, where loads are scraped a fraction of a second
@@ -20,6 +20,9 @@
 - Where a request went is remembered as if the node had announced its blocks, so the next turn of a quick
   conversation follows it before the node's events arrive: until the node's next batch of events (which
   says what it really holds) or ``REMEMBER`` seconds, whichever comes first.
+- A prompt's keys are worked out only for its first ``HEAD_TOKENS`` tokens while no node holds (or was just sent)
+  its first block: no later block can be a hit then, so the rest of a long prompt is not tokenized for it (it is
+  when a later request finds its start cached), and only those first keys are remembered where it went.
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Collection, Sequence
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
+from vllm_etcd_proxy.proxy.kvcache.index import KvIndex
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
 from vllm_etcd_proxy.proxy.routing.balancer import CacheAware, _mix, _stable_hash, _untried, node_load, speed_weights
-from vllm_etcd_proxy.proxy.routing.kvindex import KvIndex
-from vllm_etcd_proxy.proxy.routing.kvroute import KvPrompt
 
 REMEMBER = 5.0
 """Seconds a routing decision counts as the node holding the prompt's blocks (its events confirm it sooner)."""
@@ -46,6 +49,10 @@ cache-aware): then its prefix does not draw the request."""
 KV_FULL = 0.95
 PENDING = 2.0
 """Seconds a conversation this replica began on a node counts there before the node's events show it."""
+HEAD_TOKENS = 1024
+"""Tokens of a prompt whose keys are worked out while no node holds its first block (module docstring): a
+shorter prompt is read whole (so that its quick next turn finds all of it remembered), a longer one costs a
+replica only as much tokenizing as a prompt of this length."""
 
 
 def _adapter(model: str, pool: Sequence[NodeState]) -> str:
@@ -116,21 +123,24 @@ class KvRouting:
         """Whether a prompt whose prefix cached on the node ends at the block ``key`` is the next turn of a
         conversation there: a chain the node stored ends there, or this replica just sent it a prompt ending
         there (its events may not say so yet); else it branches off a chain (a new conversation)."""
-        blocks = self.index.node(state.entry_key)
-        if blocks is not None and blocks.conversations.is_tip(key):
-            return True
-        return bool(self._sent_tips.get(key, 0) & (1 << self.index.slot_of(state.entry_key)))
+        with self.index.lock:
+            blocks = self.index.node(state.entry_key)
+            if blocks is not None and blocks.conversations.is_tip(key):
+                return True
+            return bool(self._sent_tips.get(key, 0) & (1 << self.index.slot_of(state.entry_key)))
 
-    def sent(self, state: NodeState, keys: Sequence[int], held: int = 0) -> None:
+    def sent(self, state: NodeState, keys: Sequence[int], held: int = 0, whole: bool = True) -> None:
         """The request with the block ``keys`` went to the node, which held its first ``held`` tokens already:
-        only the keys after those are remembered (a long conversation's next turn adds a few)."""
-        slot = self.index.slot_of(state.entry_key)
+        only the keys after those are remembered (a long conversation's next turn adds a few). ``whole``: the
+        keys are all the prompt's (not only its first ones), so the last is where its chain ends."""
+        with self.index.lock:
+            slot = self.index.slot_of(state.entry_key)
+            version, blocks = self.index.version(slot), self.index.node(state.entry_key)
         bit = 1 << slot
         until = time.monotonic() + self._remember
-        self._valid[slot] = (self.index.version(slot), until)
-        blocks = self.index.node(state.entry_key)
+        self._valid[slot] = (version, until)
         size = blocks.block_size if blocks is not None else 0
-        if keys:
+        if keys and whole:
             self._sent_tips[keys[-1]] = self._sent_tips.get(keys[-1], 0) | bit
             self._tip_expiry.append((until, keys[-1], bit))
         for key in keys[held // size :] if size and held else keys:
@@ -139,8 +149,9 @@ class KvRouting:
 
     def conversations(self, state: NodeState, now: float) -> int:
         """The conversations the node serves: by its events, plus those this replica just began there."""
-        blocks = self.index.node(state.entry_key)
-        begun, active = (blocks.conversations.begun, blocks.conversations.active(now)) if blocks else (0, 0)
+        with self.index.lock:
+            blocks = self.index.node(state.entry_key)
+            begun, active = (blocks.conversations.begun, blocks.conversations.active(now)) if blocks else (0, 0)
         mine = self._begun.get(state.entry_key)
         if mine is None:
             return active
@@ -163,9 +174,35 @@ class KvRouting:
 
     def cached(self, prompt: KvPrompt, pool: Sequence[NodeState]) -> list[tuple[NodeState, int, list[int]]] | None:
         """(node, cached prompt tokens, the prompt's keys at its block size) for each tracked node; None when no
-        node is tracked."""
+        node is tracked. The index's lock is held for its reads only: a prompt's keys may need tokenizing."""
         index, lora = self.index, _adapter(prompt.model, pool)
+        with index.lock:
+            groups = self._groups(pool)
+        if not groups:
+            return None
+        sizes = [size for size in groups if size]
+        recent = self.recent()
+        valid = self._valid_slots(time.monotonic()) if recent else 0
+        # A node yet to store anything is read at the block size of one that has.
+        plans = [(size or (sizes[0] if sizes else 0), members, _mask(members)) for size, members in groups.items()]
+        heads = {block: prompt.keys(block, lora, max(block, HEAD_TOKENS)) for block, _, _ in plans if block}
+        # When some node holds the first block (or all the ids are known anyway), all the keys; else the first
+        # ones only (module docstring).
+        with index.lock:
+            whole = prompt.complete or any(
+                index.depths(heads[block][:1], mask, recent, valid) for block, _, mask in plans if block
+            )
         found: list[tuple[NodeState, int, list[int]]] = []
+        for block, members, mask in plans:
+            keys = (prompt.keys(block, lora) if whole else heads[block]) if block else []
+            with index.lock:
+                depths = index.depths(keys, mask, recent, valid) if keys else {}
+            found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
+        return found
+
+    def _groups(self, pool: Sequence[NodeState]) -> dict[int, list[tuple[NodeState, int]]]:
+        """The tracked nodes of ``pool`` with their slots, by the block size of their last store (0: none yet)."""
+        index = self.index
         groups: dict[int, list[tuple[NodeState, int]]] = {}
         for state in pool:
             if self.tracked(state.entry_key):
@@ -173,27 +210,26 @@ class KvRouting:
                 groups.setdefault(blocks.block_size if blocks is not None else 0, []).append(
                     (state, index.slot_of(state.entry_key))
                 )
-        if not groups:
-            return None
-        sizes = [size for size in groups if size]
-        recent = self.recent()
-        valid = self._valid_slots(time.monotonic()) if recent else 0
-        for size, members in groups.items():
-            block = size or (sizes[0] if sizes else 0)
-            keys = prompt.keys(block, lora) if block else []
-            mask = 0
-            for _, slot in members:
-                mask |= 1 << slot
-            depths = index.depths(keys, mask, recent, valid) if keys else {}
-            found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
-        return found
+        return groups
 
-    def uncached(self, prompt: KvPrompt, pool: Sequence[NodeState], default: int | None = None) -> int | None:
-        """The prompt's tokens that the tracked node holding most of it lacks (``default``: no node tracked)."""
+    def uncached(
+        self, prompt: KvPrompt, pool: Sequence[NodeState], default: int | None = None, upto: int | None = None
+    ) -> int | None:
+        """The prompt's tokens that the tracked node holding most of it lacks (``default``: no node tracked).
+        ``upto``: a count of at least that much need not be exact (a prompt no node holds any of is then read
+        only that far)."""
         cached = self.cached(prompt, pool)
         if not cached:
             return default
-        return len(prompt.ids) - max(tokens for _, tokens, _ in cached)
+        held = max(tokens for _, tokens, _ in cached)
+        return (len(prompt.ids) if upto is None else len(prompt.head(held + upto))) - held
+
+
+def _mask(members: Sequence[tuple[NodeState, int]]) -> int:
+    mask = 0
+    for _, slot in members:
+        mask |= 1 << slot
+    return mask
 
 
 _Found = tuple[tuple[NodeState, int, list[int]], int]
@@ -231,7 +267,7 @@ class KvAware:
     ) -> Callable[[_Found], tuple[float, int, int, int]]:
         """The rank of a node for a new conversation: fewest conversations for its speed, then most cached, then
         least loaded, then the node ranked first for the request's key (alike on every replica)."""
-        routing, seed = self._routing, _stable_hash(key or f"prompt:{prompt.ids[:64]}")
+        routing, seed = self._routing, _stable_hash(key or f"prompt:{list(prompt.head(64)[:64])}")
         weights = dict(zip((id(c[0]) for c, _ in roomy), speed_weights([c[0] for c, _ in roomy]), strict=True))
 
         def rank(found: _Found) -> tuple[float, int, int, int]:
@@ -282,5 +318,5 @@ class KvAware:
             now = time.monotonic()
             reason, ((state, held, keys), _) = "load", min(roomy, key=self._placement(roomy, prompt, key, now))
             routing.began(state, now)
-        routing.sent(state, keys, held)
+        routing.sent(state, keys, held, prompt.complete)
         return self._decided(reason, state)

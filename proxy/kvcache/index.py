@@ -9,30 +9,34 @@ prefix as vLLM would reuse it: two requests with the same tokens and different s
 prompt is read the same way (``chain``), and its longest cached prefix on a node is the run of its keys that the
 node holds.
 
-For each key the index keeps the nodes holding it: a node's slot number while one node does (the common case,
-which costs no object of its own) or a bit mask of slots. For each node it keeps its own hashes -> our keys
-(packed in two arrays, kvblocks.py), as a ``BlockRemoved`` names blocks by the node's hashes only. A block
-whose parent the node never announced (an event missed before this replica subscribed) cannot be keyed and is
-counted as an orphan. Each node holds at most ``MAX_BLOCKS`` blocks here (a real node's cache is smaller);
-memory per block: bench/README.md.
+For each key the index keeps the nodes holding it: a node's slot number while one node does (the common case) or
+a bit mask of slots, packed with the key in one word (blocks.py ``Holders``). For each node it keeps its own
+hashes -> our keys (blocks.py ``BlockMap``), as a ``BlockRemoved`` names blocks by the node's hashes only. A
+block whose parent the node never announced (an event missed before this replica subscribed) cannot be keyed
+and is counted as an orphan. Each node holds at most ``MAX_BLOCKS`` blocks here (a real node's cache is
+smaller); memory per block: bench/README.md.
+
+The ingest thread changes the index and the request path reads it: each holds ``lock`` while it does (a batch of
+events at a time; a routing decision's reads), so a reader never sees a table half rewritten.
 
 Every change costs in proportion to the blocks it names; only dropping a node walks that node's blocks.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from vllm_etcd_proxy.proxy.discovery.kvwire import Cleared, Event, Removed, Stored
-from vllm_etcd_proxy.proxy.routing.kvblocks import BlockMap
-from vllm_etcd_proxy.proxy.routing.kvconversations import Conversations
+from vllm_etcd_proxy.proxy.kvcache.blocks import KEY_BITS, MAX_SLOTS, SHARED, BlockMap, Holders
+from vllm_etcd_proxy.proxy.kvcache.conversations import Conversations
+from vllm_etcd_proxy.proxy.kvcache.wire import Cleared, Event, Removed, Stored
 
 MAX_BLOCKS = 1_000_000
 """Blocks indexed per node at most: 16M tokens at block size 16; stores beyond are counted and left out."""
-_MASK = (1 << 60) - 1
-"""Keys fit 60 bits: Python keeps such an int in 32 bytes (64-bit ones take 36)."""
+_MASK = (1 << KEY_BITS) - 1
+"""Keys fit 48 bits: with the holder's 16, one packed word (blocks.py)."""
 
 
 def chain(ids: Sequence[int], block_size: int, lora: str = "", blocks: int | None = None, salt: str = "") -> list[int]:
@@ -67,9 +71,9 @@ class NodeBlocks:
     over: int = 0
     """Stored blocks left out: the node had ``MAX_BLOCKS`` already."""
     version: int = 0
-    """Batches of events applied: what a routing decision's memory is checked against (kvchoice.py)."""
+    """Batches of events applied: what a routing decision's memory is checked against (routing/kv_aware.py)."""
     conversations: Conversations = field(default_factory=Conversations)
-    """The conversations it serves, by the shape of its stores (kvconversations.py)."""
+    """The conversations it serves, by the shape of its stores (conversations.py)."""
 
 
 class KvIndex:
@@ -77,8 +81,9 @@ class KvIndex:
 
     def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
         self._max = max_blocks
-        self._holders: dict[int, int] = {}
-        """key -> slot (>= 0) of its one holder, or -(bit mask of the slots) when several hold it."""
+        self._holders = Holders()
+        self.lock = threading.Lock()
+        """Held by whoever changes or reads the index (see the module docstring)."""
         self._nodes: dict[str, NodeBlocks] = {}
         self._slots: dict[int, NodeBlocks] = {}
         self._free: list[int] = []
@@ -106,6 +111,8 @@ class KvIndex:
         found = self._nodes.get(name)
         if found is None:
             slot = self._free.pop() if self._free else self._next_slot
+            if slot >= MAX_SLOTS:
+                raise ValueError(f"the index names at most {MAX_SLOTS} nodes")
             self._next_slot = max(self._next_slot, slot + 1)
             found = self._nodes[name] = self._slots[slot] = NodeBlocks(slot=slot)
         return found
@@ -119,6 +126,10 @@ class KvIndex:
 
     def apply(self, name: str, events: Iterable[Event], now: float | None = None) -> None:
         """One node's events, in order (``now``: when they came, for the conversation counts)."""
+        with self.lock:
+            self._apply(name, events, now)
+
+    def _apply(self, name: str, events: Iterable[Event], now: float | None) -> None:
         node = self._node(name)
         node.version += 1
         when = time.monotonic() if now is None else now
@@ -128,10 +139,11 @@ class KvIndex:
                 if stored is not None:
                     node.conversations.stored(*stored, when)
             elif isinstance(event, Removed):
+                pop, release, slot = node.blocks.pop, self._holders.release, node.slot
                 for engine_hash in event.hashes:
-                    key = node.blocks.pop(engine_hash)
+                    key = pop(engine_hash)
                     if key is not None:
-                        self._release(key, node.slot)
+                        release(key, slot)
             elif isinstance(event, Cleared):
                 self._clear(node)
 
@@ -148,7 +160,7 @@ class KvIndex:
                 node.orphans += len(event.hashes)
                 return None
             key = parent
-        holders, slot, bit, extra = self._holders, node.slot, 1 << node.slot, event.extra
+        add, slot, extra = self._holders.add, node.slot, event.extra
         first: int | None = key if event.parent is not None else None
         new, last, previous, room = False, key, first, self._max - len(blocks)
         for i, engine_hash in enumerate(event.hashes):
@@ -164,49 +176,30 @@ class KvIndex:
             if not new:
                 new, first = True, (before if i else first)
             previous, last = before if i else first, key
-            held = holders.get(key)
-            if held is None:
-                holders[key] = slot
-            elif held >= 0:
-                if held != slot:
-                    holders[key] = -((1 << held) | bit)
-            else:
-                holders[key] = -(-held | bit)
+            add(key, slot)
         return (first, previous, last) if new else None
 
-    def _release(self, key: int, slot: int) -> None:
-        held = self._holders.get(key)
-        if held is None:
-            return
-        if held >= 0:
-            if held == slot:
-                del self._holders[key]
-            return
-        mask = -held & ~(1 << slot)
-        self._holders[key] = mask.bit_length() - 1 if mask & (mask - 1) == 0 else -mask
-
     def _clear(self, node: NodeBlocks) -> None:
+        release = self._holders.release
         for key in node.blocks.values():
-            self._release(key, node.slot)
+            release(key, node.slot)
         node.blocks.clear()
         node.conversations.clear()
 
     def drop(self, name: str) -> None:
         """Forget a node (gone, restarted, or its events can no longer be trusted); its slot is reused."""
-        node = self._nodes.pop(name, None)
-        if node is not None:
-            self._clear(node)
-            del self._slots[node.slot]
-            self._free.append(node.slot)
+        with self.lock:
+            node = self._nodes.pop(name, None)
+            if node is not None:
+                self._clear(node)
+                del self._slots[node.slot]
+                self._free.append(node.slot)
 
     # -- queries ------------------------------------------------------------------------------------------------
 
     def holders(self, key: int) -> int:
         """Bit mask of the slots holding ``key`` (0: none)."""
-        held = self._holders.get(key)
-        if held is None:
-            return 0
-        return 1 << held if held >= 0 else -held
+        return self._holders.mask(key)
 
     def depths(
         self, keys: Sequence[int], slots: int, extra: dict[int, int] | None = None, extra_slots: int = -1
@@ -216,10 +209,20 @@ class KvIndex:
         which only those in the mask ``extra_slots`` count."""
         depth: dict[int, int] = {}
         alive = slots
-        get = self._holders.get
+        holders = self._holders
+        shards, shift, shared = holders.shards, holders.shift, holders.shared
         for i, key in enumerate(keys):
-            held = get(key)
-            mask = 0 if held is None else 1 << held if held >= 0 else -held
+            table = shards[key >> shift]
+            words, size = table.words, table.size
+            mask, j = 0, key % size
+            while word := words[j]:  # Holders.mask, written out: a call per key would cost ~0.1 us more
+                if word >> 16 == key:
+                    code = word & SHARED
+                    mask = shared.get(key, 0) if code == SHARED else 1 << (code - 1)
+                    break
+                j += 1
+                if j == size:
+                    j = 0
             if extra:
                 mask |= extra.get(key, 0) & extra_slots
             now = alive & mask

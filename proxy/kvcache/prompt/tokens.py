@@ -10,7 +10,8 @@ until one is loaded its model's requests have no ids.
 What the node sees, as vLLM builds it: a completions text prompt is tokenized with the tokenizer's special
 tokens (``add_special_tokens``, default true); token-id prompts (and ``/inference/v1/generate``'s ``token_ids``)
 are taken as they are; a chat is rendered by the template (``chat_template``) and tokenized without them (its
-``add_special_tokens`` defaults to false), reusing the ids of earlier turns (``prefix_ids``).
+``add_special_tokens`` defaults to false), piece by piece as far as routing asks, reusing the pieces of earlier
+prompts that began with the same text (``prefix_ids``).
 
 Anything that cannot be known (no tokenizer, a template error, a body vLLM would refuse, media content) is
 ``None``: the router falls back to content affinity. Each reason is logged once per model; every call counts in
@@ -35,8 +36,9 @@ from tokenizers import Tokenizer
 
 from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.state import NodeState
-from vllm_etcd_proxy.proxy.routing.chat_template import ChatTemplate, Unsupported
-from vllm_etcd_proxy.proxy.routing.prefix_ids import CACHE_TOKENS, PrefixIds, Splitter
+from vllm_etcd_proxy.proxy.kvcache.prompt.chat_template import ChatTemplate, Unsupported
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import TokenIds
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import CACHE_TOKENS, ChatIds, PrefixIds, Splitter
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ RETRY_AFTER = 30.0
 MAX_MODELS = 4096
 """Model names remembered (lookups, warnings given): they come from requests."""
 CHECKED_SPLITS = 4
-"""Chats per model whose incremental ids are also checked against tokenizing whole."""
+"""Chats per model whose ids, worked out in pieces, are also checked against tokenizing whole."""
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _SAMPLE_CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -63,7 +65,7 @@ class Loaded:
     tokenizer: Tokenizer
     templates: Mapping[str, ChatTemplate]
     splitter: Splitter | None
-    """None when cutting after special tokens would change the ids (then chats are tokenized whole)."""
+    """None when cutting the text would change the ids (then chats are tokenized whole)."""
     checks_left: int = CHECKED_SPLITS
 
     def template(self, tools: Any) -> ChatTemplate | None:
@@ -120,13 +122,8 @@ def load(source: str) -> Loaded:
             t["name"]: t["template"] for t in raw or () if isinstance(t, dict) and isinstance(t.get("template"), str)
         }
     templates = {name: ChatTemplate(text, special) for name, text in named.items()}
-    splitter = Splitter(tokenizer)
-    return Loaded(
-        source=source,
-        tokenizer=tokenizer,
-        templates=templates,
-        splitter=splitter if splitter.cleanly(_samples(tokenizer, templates.values())) else None,
-    )
+    splitter = Splitter.checked(tokenizer, _samples(tokenizer, templates.values()))
+    return Loaded(source=source, tokenizer=tokenizer, templates=templates, splitter=splitter)
 
 
 def _samples(tokenizer: Tokenizer, templates: Iterable[ChatTemplate]) -> list[str]:
@@ -142,7 +139,8 @@ def _samples(tokenizer: Tokenizer, templates: Iterable[ChatTemplate]) -> list[st
 
 
 class PromptTokens:
-    """``prompt_ids(model, body, kind)``: the ids of the module docstring, or None."""
+    """``ids(model, body, kind)``: the ids of the module docstring (a chat's worked out as far as they are asked
+    for), or None; ``prompt_ids``: all of them at once."""
 
     def __init__(
         self,
@@ -157,10 +155,18 @@ class PromptTokens:
         self._outcomes = Counter(
             "vllm_proxy_prompt_tokenize",
             "Requests turned into token ids for routing, by outcome: ids (token ids "
-            "given), whole, incremental (earlier turns' ids reused), loading, no_tokenizer, unsupported, failed.",
+            "given), whole, incremental (ids of earlier prompts reused), loading, no_tokenizer, unsupported, failed.",
             ["outcome"],
             registry=registry,
         )
+        tokens = Counter(
+            "vllm_proxy_prompt_ids",
+            "Prompt token ids worked out for routing: tokenized, or reused from earlier prompts that began alike "
+            "(a long prompt no node holds any of is tokenized only as far as routing needs).",
+            ["source"],
+            registry=registry,
+        )
+        self._counts = (tokens.labels("tokenized"), tokens.labels("reused"))
         self._cache = PrefixIds(cache_tokens)
         self._reuse = cache_tokens > 0
         """False: every chat is tokenized whole (``cache_tokens=0``)."""
@@ -196,12 +202,18 @@ class PromptTokens:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def prompt_ids(self, model: str, body: Mapping[str, Any], kind: str) -> Sequence[int] | None:
+    def ids(self, model: str, body: Mapping[str, Any], kind: str) -> Sequence[int] | TokenIds | None:
+        """The request's ids (a ``ids.PromptIds``)."""
         outcome, ids = self._ids(model, body, kind)
         self._outcomes.labels(outcome).inc()
         return ids
 
-    def _ids(self, model: str, body: Mapping[str, Any], kind: str) -> tuple[str, Sequence[int] | None]:
+    def prompt_ids(self, model: str, body: Mapping[str, Any], kind: str) -> list[int] | None:
+        """All the request's ids at once."""
+        ids = self.ids(model, body, kind)
+        return None if ids is None else list(ids if isinstance(ids, Sequence) else ids.whole())
+
+    def _ids(self, model: str, body: Mapping[str, Any], kind: str) -> tuple[str, Sequence[int] | TokenIds | None]:
         given = _given_ids(body, kind)
         if given is not None:
             return ("ids", given) if given else self._refuse(model, "unsupported", "a prompt that is not one prompt")
@@ -214,7 +226,7 @@ class PromptTokens:
                 special = body.get("add_special_tokens", True)
                 if text is None or not isinstance(special, bool):
                     return self._refuse(model, "unsupported", "a completions prompt that is not one text")
-                return "whole", list(loaded.tokenizer.encode(text, add_special_tokens=special).ids)
+                return "whole", self._encode(loaded, text, special)
             if kind == "chat":
                 return self._chat(model, loaded, body)
             return self._refuse(model, "unsupported", f"requests of kind {kind!r}")
@@ -223,7 +235,7 @@ class PromptTokens:
         except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
             return self._refuse(model, "failed", f"{type(exc).__name__}: {exc}")
 
-    def _chat(self, model: str, loaded: Loaded, body: Mapping[str, Any]) -> tuple[str, Sequence[int] | None]:
+    def _chat(self, model: str, loaded: Loaded, body: Mapping[str, Any]) -> tuple[str, Sequence[int] | TokenIds | None]:
         template = loaded.template(body.get("tools"))
         if template is None:
             return self._refuse(model, "failed", "its tokenizer has no chat template")
@@ -233,20 +245,26 @@ class PromptTokens:
             raise Unsupported("add_special_tokens must be a boolean")
         splitter = loaded.splitter
         if special or splitter is None or not self._reuse:
-            return "whole", list(loaded.tokenizer.encode(text, add_special_tokens=special).ids)
-        ids, reused = splitter.encode_chat(text, self._cache, loaded.source.encode())
-        if reused and loaded.checks_left > 0:
+            return "whole", self._encode(loaded, text, special)
+        ids = ChatIds(splitter, self._cache, text, self._counts)
+        if ids.pieces > 1 and loaded.checks_left > 0:
             loaded.checks_left -= 1
-            if ids != splitter.encode(text):
+            whole = splitter.encode(text)
+            if ids.whole() != whole:
                 loaded.splitter = None
                 self._warn(
                     model,
                     "split",
-                    "reusing earlier turns' ids gave other ids than tokenizing whole; "
+                    "tokenizing a chat in pieces gave other ids than tokenizing it whole; "
                     "its chats are tokenized whole from now on",
                 )
-                return "whole", splitter.encode(text)
-        return ("incremental" if reused else "whole"), ids
+                return "whole", whole
+        return ("incremental" if ids.reused else "whole"), ids
+
+    def _encode(self, loaded: Loaded, text: str, special: bool) -> list[int]:
+        ids = list(loaded.tokenizer.encode(text, add_special_tokens=special).ids)
+        self._counts[0].inc(len(ids))
+        return ids
 
     def _tokenizer(self, model: str) -> tuple[Loaded | None, str]:
         source, known = self._source(model)

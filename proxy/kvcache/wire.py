@@ -1,4 +1,4 @@
-"""vLLM's KV-cache event frames, read leniently: what the subscriber (kvsub.py) hands to the index.
+"""vLLM's KV-cache event frames, read leniently: what the subscriber (subscription.py) hands to the index.
 
 A frame is ``[topic, seq (8 bytes, big-endian), payload]``; the payload a msgpack ``EventBatch``, an array
 ``[ts, events, data_parallel_rank]`` or a map with those names. Each event is a map tagged by ``type`` (vLLM
@@ -85,6 +85,8 @@ def _hash(value: object) -> int:
 def _hashes(value: object) -> list[int]:
     if not isinstance(value, list):
         raise Malformed("block_hashes is not a list")
+    if all(type(v) is int for v in value):  # vLLM's default: no call per hash
+        return [v & _FOLD for v in value]
     return [_hash(v) for v in value]
 
 
