@@ -41,19 +41,27 @@ def _ephemeral_floor() -> int:
         return 32768  # Linux's default
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port free now, drawn below the kernel's ephemeral range: a port from binding port 0 comes from
-    that range, where any outgoing connection's local port does too, and one could take it before its server
-    binds it (seen: a replica that could not listen, "address already in use")."""
+    """A loopback port free now and not handed out before by this process, drawn below the kernel's ephemeral
+    range: a port from binding port 0 comes from that range, where any outgoing connection's local port does
+    too, and one could take it before its server binds it (seen: a replica that could not listen, "address
+    already in use"). Random draws repeat (two of thirty draws collide about once in fifty runs), hence the
+    memory of what was handed out."""
     top = _ephemeral_floor()
     for _ in range(1000):
         port = random.randrange(PORTS_FROM, top)
+        if port in _handed_out:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((HOST, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     with socket.socket() as sock:  # everything below the range is taken: the range it is
         sock.bind((HOST, 0))
         return int(sock.getsockname()[1])
@@ -66,7 +74,18 @@ def die_with_parent() -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a live process, in seconds (resolution: one clock tick, usually 10 ms)."""
+    """CPU seconds of a live process so far: the sum of its threads' run time in ns (schedstat), which a short run
+    of a fast server does not round to nothing as utime + stime's clock ticks (10 ms) do; those when schedstat is
+    missing. A thread that ended takes its time with it: the servers measured keep theirs."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+                total += int((task / "schedstat").read_text().split()[0])
+    except FileNotFoundError:
+        total = 0
+    if total:
+        return total / 1e9
     stat = Path(f"/proc/{pid}/stat").read_text()
     # The command name (field 2) may hold spaces and parentheses: split after its closing one.
     fields = stat[stat.rindex(")") + 2 :].split()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -48,6 +49,7 @@ from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
 from vllm_etcd_proxy.proxy.operations.nodemetrics import NodeCollector
 from vllm_etcd_proxy.proxy.operations.nodeops import NodeOpsRoutes
 from vllm_etcd_proxy.proxy.operations.poolmetrics import PoolCollector
+from vllm_etcd_proxy.proxy.operations.sharemetrics import ShareCollector, replicas_view
 from vllm_etcd_proxy.proxy.operations.tls import ServerTls, server_tls
 from vllm_etcd_proxy.proxy.operations.workers import METRICS_DIR_ENV
 from vllm_etcd_proxy.proxy.routing.balancer import (
@@ -64,7 +66,7 @@ from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
-from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
+from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit, SessionGuard
 from vllm_etcd_proxy.proxy.serving.layers import (
     Accounting,
     Admission,
@@ -220,7 +222,11 @@ class Replica:
         self.backend_auth = {"authorization": f"Bearer {key}"} if key else None
         self.keys = ClientKeys(settings.api_keys)
         # The keys' tenants, their limits and the fair queue.
-        self.tenancy = build_tenancy(settings, self.keys, registry, pool, self.etcd, self.layout)
+        self.tenancy = build_tenancy(
+            settings, self.keys, registry, pool, self.etcd, self.layout, watching=lambda: self.discovery_state.connected
+        )
+        # --max-concurrent-requests: HTTP requests and WebSocket sessions take slots of the same limit.
+        self.concurrency = ConcurrencyLimit(settings.max_concurrent)
         self.tracer = make_tracer(settings.otlp_traces_endpoint)  # None unless configured: then no span is made
         self.prompt_tokens = PromptTokens(
             dict(settings.tokenizers),
@@ -255,6 +261,10 @@ class Replica:
         for collector in self.collectors():
             registry.register(collector)
 
+    def sessions(self) -> SessionGuard:
+        """What a WebSocket session passes before a node is picked (serving/guard.py)."""
+        return SessionGuard(self.keys, self.concurrency, self.tenancy.tenancy)
+
     def _base_of(self, model: str) -> str:
         """The base model of a registered LoRA adapter; any other model is its own."""
         adapter = self.adapters.get(model)
@@ -270,12 +280,15 @@ class Replica:
 
     def collectors(self) -> list[Collector]:
         """What /metrics reads from the live objects at scrape time."""
-        return [
+        collectors: list[Collector] = [
             PoolCollector(self.pool, self.discovery_state),
             NodeCollector(self.pool),
             KvCollector(self.kv_subscribers, self.kv_routing),
             ElasticCollector(self.pool, self.elastic),
         ]
+        if self.tenancy.tenancy is not None:
+            collectors.append(ShareCollector(self.tenancy.tenancy))
+        return collectors
 
     # -- the request path ---------------------------------------------------------------------------------------
 
@@ -295,7 +308,7 @@ class Replica:
         )
         path: Handler = Relay(metrics, flows, settings.max_resumes)
         if settings.max_concurrent:
-            path = Concurrency(path, ConcurrencyLimit(settings.max_concurrent))
+            path = Concurrency(path, self.concurrency)
         if self.tenancy.tenancy is not None:
             path = Admission(path, self.tenancy.tenancy)
         path = PickFlow(path, flows)
@@ -318,7 +331,7 @@ class Replica:
 
     def operator_routes(self, scraped: CollectorRegistry) -> list[BaseRoute]:
         """The replica's own routes: health, status, /metrics (from ``scraped``), the admin API, model cards."""
-        settings = self.settings
+        settings, tenancy = self.settings, self.tenancy.tenancy
         admin = AdminRoutes(
             pool=self.pool,
             client=self.client,
@@ -339,6 +352,7 @@ class Replica:
                 lifecycle=self.lifecycle,
                 kv_view=KvView(self.kv_subscribers, self.kv_routing),
                 kv_catching_up=self.kv_subscribers.catching_up,
+                replicas=functools.partial(replicas_view, tenancy) if tenancy is not None else None,
             ).routes(),
             *admin.routes(),
             *NodeOpsRoutes(self.pool, sleep.calls, sleep.sleeper, sleep.waker, admin.authorize).routes(),
@@ -448,7 +462,14 @@ def build_app(settings: ProxySettings, transport: Transport | None = None, *, wa
     )
     openai = OpenAIRoutes(
         replica.request_path(),
-        WebSocketProxy(replica.pool, replica.policies, replica.keys, replica.metrics, settings, replica.node_tls),
+        WebSocketProxy(
+            replica.pool,
+            replica.policies,
+            replica.sessions(),
+            replica.metrics,
+            settings,
+            replica.node_tls,
+        ),
         operator_app,
         session_header=settings.affinity_header,
         backend_api_key=settings.backend_api_key,

@@ -86,7 +86,10 @@ class InfoRoutes:
         lifecycle: Lifecycle,
         kv_view: Callable[[NodeState], dict[str, Any] | None] | None = None,
         kv_catching_up: Callable[[], int] = lambda: 0,
+        replicas: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``replicas``: the replicas the tenants' limits are split with, for /status (None without tenancy)."""
+        self._replicas = replicas
         self._kv_view = kv_view
         self._kv_catching_up = kv_catching_up
         self._lifecycle = lifecycle
@@ -136,6 +139,8 @@ class InfoRoutes:
             body[f"{role.value}_nodes"] = sorted(s.node.host_port for s in states)
         body["models"] = self._pool.models()
         body["discovery"] = self.discovery_view()
+        if self._replicas is not None:
+            body["replicas"] = self._replicas()
         return JSONResponse(body)
 
     async def list_models(self, request: Request) -> Response:

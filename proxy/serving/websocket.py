@@ -25,7 +25,7 @@ from vllm_etcd_proxy.fleet.tls import TLS_HINT, ssl_reason
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState, Pool
 from vllm_etcd_proxy.proxy.errors import ModelNotFound, NoNodeAvailable, ProxyError, UpstreamFailed
 from vllm_etcd_proxy.proxy.routing.balancer import Policy
-from vllm_etcd_proxy.proxy.serving.guard import ClientKeys
+from vllm_etcd_proxy.proxy.serving.guard import SessionGuard, SessionHold
 from vllm_etcd_proxy.proxy.serving.parsing import read_headers
 from vllm_etcd_proxy.proxy.serving.wsrelay import CLOSE_TIMEOUT, Denied, Link, Session, reason_text
 from vllm_etcd_proxy.proxy.settings import ProxySettings
@@ -49,19 +49,20 @@ class _Handshake(NamedTuple):
 
 
 class WebSocketProxy:
-    """The ASGI handler of every WebSocket connection: check the key, pick a node, relay until one side closes."""
+    """The ASGI handler of every WebSocket connection: check the key and take the session's slots (``guard``),
+    pick a node, relay until one side closes."""
 
     def __init__(
         self,
         pool: Pool,
         policies: Mapping[Role, Policy],
-        keys: ClientKeys,
+        guard: SessionGuard,
         metrics: ProxyMetrics,
         settings: ProxySettings,
         node_tls: ssl.SSLContext,
     ) -> None:
         """``node_tls``: the client context for ``wss://`` to ``https://`` nodes (fleet/tls.py)."""
-        self._pool, self._policies, self._keys, self._metrics = pool, policies, keys, metrics
+        self._pool, self._policies, self._guard, self._metrics = pool, policies, guard, metrics
         self._node_tls = node_tls
         self._attempts = settings.max_attempts
         self._connect_timeout = settings.timeouts.connect
@@ -88,15 +89,24 @@ class WebSocketProxy:
             target.decode("latin-1"), head, [Subprotocol(p) for p in scope.get("subprotocols", ())], client.request_id
         )
         models = parse_qs(query.decode("latin-1")).get("model")
+        hold: SessionHold | None = None  # the session's slots, given back however it ends
         try:
-            self._keys.check(client.authorization)
-            link = await self.connect(models[0] if models else self._first_model(), hello)
-        except (ProxyError, Denied) as exc:
-            denied = Denied.of(exc, client.request_id)
-            await _deny(scope, send, denied)
-            self._metrics.websocket_done(route, denied.outcome)
-            return
+            try:
+                hold = self._guard.open(client.authorization)
+                link = await self.connect(models[0] if models else self._first_model(), hello)
+            except (ProxyError, Denied) as exc:
+                denied = Denied.of(exc, client.request_id)
+                await _deny(scope, send, denied)
+                self._metrics.websocket_done(route, denied.outcome)
+                return
+            await self._relay(receive, send, route, link, hello, routed=bool(models))
+        finally:
+            if hold is not None:
+                hold.close()
 
+    async def _relay(
+        self, receive: Receive, send: Send, route: str, link: Link, hello: _Handshake, *, routed: bool
+    ) -> None:
         async def reconnect(model: str) -> Link:
             return await self.connect(model, hello)
 
@@ -106,10 +116,10 @@ class WebSocketProxy:
             link,
             connect=reconnect,
             release=self._release_link,
-            request_id=client.request_id,
-            routed=bool(models),
+            request_id=hello.request_id,
+            routed=routed,
         )
-        headers = [(b"x-request-id", client.request_id.encode())]
+        headers = [(b"x-request-id", hello.request_id.encode())]
         self._metrics.websocket_opened(route)
         outcome = "error"
         try:

@@ -26,8 +26,10 @@ CLOSE_TIMEOUT = 5.0
 """Seconds a closing handshake with a node may take."""
 _MAX_ROUTING_EVENT = 64 * 1024
 """A first message longer than this is forwarded unread (audio, not a session.update)."""
-_CLOSE_CODES = {401: 1008, 404: 1008, 503: 1013}
-_OUTCOMES = {401: "unauthorized", 404: "model_not_found", 503: "no_node"}
+_CLOSE_CODES = {401: 1008, 404: 1008, 429: 1013, 503: 1013}
+_OUTCOMES = {401: "unauthorized", 404: "model_not_found", 429: "rate_limited", 503: "no_node"}
+_OUTCOMES_BY_CODE = {"service_unavailable": "replica_full"}
+"""503s that are not about nodes: the replica's --max-concurrent-requests."""
 
 
 class Denied(Exception):
@@ -42,7 +44,7 @@ class Denied(Exception):
         if isinstance(exc, Denied):
             return exc
         return cls(
-            _OUTCOMES.get(exc.status, "upstream_failed"),
+            _OUTCOMES_BY_CODE.get(exc.code) or _OUTCOMES.get(exc.status, "upstream_failed"),
             _CLOSE_CODES.get(exc.status, 1011),
             exc.message,
             render(exc, request_id),

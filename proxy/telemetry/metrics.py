@@ -292,8 +292,8 @@ class ProxyMetrics:
         self.websocket_sessions = Counter(
             "vllm_proxy_websocket_sessions",
             "WebSocket connections, by route and how they ended: client_closed, "
-            "node_closed, node_lost (no close frame), or refused before accept (unauthorized, model_not_found, "
-            "no_node, upstream_failed, refused_by_node).",
+            "node_closed, node_lost (no close frame), or refused before accept (unauthorized, rate_limited, "
+            "replica_full, model_not_found, no_node, upstream_failed, refused_by_node).",
             ["route", "outcome"],
             registry=registry,
         )

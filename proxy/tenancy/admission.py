@@ -4,16 +4,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Send
 
 from vllm_etcd_proxy.proxy.errors import ClientLeft, QueueTimeout, RateLimited
+from vllm_etcd_proxy.proxy.tenancy.demand import TenantReport
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet, Limits
 from vllm_etcd_proxy.proxy.tenancy.limits import Grant, TenantCounters, admit, estimate_tokens
 from vllm_etcd_proxy.proxy.tenancy.metrics import OPEN, TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue
-from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaCount
+from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 
 
 class Relayed(Protocol):
@@ -82,9 +84,9 @@ class Ticket:
 class Tenancy:
     """Limits per tenant (shared with the other replicas) and the fair queue; built once in the app."""
 
-    def __init__(self, keys: KeySet, replicas: ReplicaCount, queue: FairQueue | None, metrics: TenantMetrics) -> None:
+    def __init__(self, keys: KeySet, fleet: Fleet, queue: FairQueue | None, metrics: TenantMetrics) -> None:
         self.keys = keys
-        self.replicas = replicas
+        self.fleet = fleet
         self.queue = queue
         self.metrics = metrics
         self._counters: dict[str, TenantCounters] = {}
@@ -95,12 +97,40 @@ class Tenancy:
         limits = self.keys.tenants().get(tenant)
         return limits.share if limits is not None else 1
 
+    @property
+    def counters(self) -> Mapping[str, TenantCounters]:
+        """The tenants seen on this replica (that the key set still names), by name."""
+        return self._counters
+
+    def reports(self) -> dict[str, TenantReport]:
+        """What this replica publishes about its tenants (replicas.py): those that asked something lately."""
+        now, named = time.monotonic(), self.keys.tenants()
+        out = {}
+        for tenant, counters in self._counters.items():
+            limits = named.get(tenant)
+            if limits is not None and limits.limited and (report := counters.report(limits, now)) is not None:
+                out[tenant] = report
+        return out
+
+    def admit_session(self, limits: Limits | None) -> Ticket | None:
+        """A WebSocket session holds one of its tenant's concurrency slots while it lasts (``RateLimited`` when
+        none is free); None when its key has no concurrency limit."""
+        if limits is None or not limits.concurrency:
+            return None
+        try:
+            grant = admit(self._counters_of(limits.tenant), limits, self.fleet, 0, session=True)
+        except RateLimited:
+            self.metrics.child(self.metrics.rejections, limits.tenant, "concurrency").inc()
+            raise
+        return Ticket(self, grant, None, limits.tenant, 0)
+
     def _counters_of(self, tenant: str) -> TenantCounters:
         if self._version != self.keys.version:
             # The set changed: forget tenants it no longer names (their requests in flight keep their counters).
             self._version = self.keys.version
             named = self.keys.tenants()
             self._counters = {t: c for t, c in self._counters.items() if t in named}
+            self.fleet.keep_only(named)
         counters = self._counters.get(tenant)
         if counters is None:
             counters = self._counters[tenant] = TenantCounters()
@@ -130,7 +160,7 @@ class Tenancy:
         if limits is None or not limits.limited:
             return None
         try:
-            return admit(self._counters_of(tenant), limits, self.replicas.count, estimate)
+            return admit(self._counters_of(tenant), limits, self.fleet, estimate)
         except RateLimited as exc:
             self.metrics.child(self.metrics.rejections, tenant, _KINDS.get(exc.type, exc.type)).inc()
             raise

@@ -14,10 +14,12 @@ from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.watch import KeySink
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
+from vllm_etcd_proxy.proxy.tenancy.demand import encode
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet
 from vllm_etcd_proxy.proxy.tenancy.metrics import TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue, QueueSettings
-from vllm_etcd_proxy.proxy.tenancy.replicas import FOLDER, ReplicaCount, ReplicaLease, replica_id
+from vllm_etcd_proxy.proxy.tenancy.replicas import FOLDER, REPLICA_TTL, ReplicaLease, ReplicaView, replica_id
+from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 from vllm_etcd_proxy.proxy.tenancy.sources import EtcdKeys, KeyFile
 
 KEYS_FOLDER = "keys"
@@ -42,8 +44,11 @@ def build_tenancy(
     pool: Pool,
     etcd: EtcdClient | None,
     layout: KeyLayout,
+    *,
+    watching: Callable[[], bool] = lambda: True,
 ) -> TenancyParts:
-    """Raises ``ValueError`` when ``--api-key-file`` cannot be read."""
+    """``watching``: whether discovery's watch is up (the shares' view is fresh only then). Raises ``ValueError``
+    when ``--api-key-file`` cannot be read."""
     metrics = TenantMetrics(registry)
 
     def invalid(source: str) -> None:
@@ -54,7 +59,9 @@ def build_tenancy(
         key_file = KeyFile(settings.api_key_file, keys, invalid)
         key_file.load()
     me = replica_id()
-    replicas = ReplicaCount(me, metrics.replicas.set, least=settings.workers if etcd is None else 1)
+    view = ReplicaView(me, metrics.replicas.set, least=settings.workers if etcd is None else 1)
+    grace, decay = share_timing(etcd)
+    fleet = Fleet(view, grace=grace, decay=decay, watching=watching)
     queue = None
     if settings.queue_timeout > 0:
         queue_settings = QueueSettings(
@@ -73,10 +80,13 @@ def build_tenancy(
         queue = FairQueue(pool, queue_settings, share, depth)
     parts = TenancyParts(tenancy=None)
     if len(keys) or key_file is not None or etcd is not None or queue is not None:
-        parts.tenancy = Tenancy(keys, replicas, queue, metrics)
+        parts.tenancy = tenancy = Tenancy(keys, fleet, queue, metrics)
     if etcd is not None:
-        parts.sinks = {KEYS_FOLDER: EtcdKeys(keys, invalid), FOLDER: replicas}
-        parts.tasks.append(ReplicaLease(etcd, layout, me).run)
+        parts.sinks = {KEYS_FOLDER: EtcdKeys(keys, invalid), FOLDER: view}
+        lease = ReplicaLease(
+            etcd, layout, me, lambda: encode(tenancy.reports()), wake=fleet.wake, on_refresh=fleet.refreshed
+        )
+        parts.tasks.append(lease.run)
     if key_file is not None:
 
         def reload_key_file() -> None:
@@ -85,3 +95,14 @@ def build_tenancy(
 
         parts.reload = reload_key_file
     return parts
+
+
+def share_timing(etcd: EtcdClient | None) -> tuple[float, float]:
+    """(grace, decay) of the shares when etcd is away (shares.py): the lease is refreshed every ``refresh`` s, so
+    two refreshes missed mean etcd is away; the decay ends a second before the others can have expired this
+    replica's key (REPLICA_TTL after its last refresh) and taken its part of the limits."""
+    if etcd is None:
+        return 1.0, 1.0  # never used: without etcd the view is never refreshed, so never decays
+    refresh = min(REPLICA_TTL / 3, etcd.settings.probe_interval)
+    grace = 2 * refresh
+    return grace, max(1.0, REPLICA_TTL - 1.0 - grace)

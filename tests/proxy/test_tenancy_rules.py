@@ -14,6 +14,8 @@ from vllm_etcd_proxy.proxy.errors import RateLimited, Unauthorized
 from vllm_etcd_proxy.proxy.tenancy.keys import InvalidKey, KeySet, Limits, parse_line, parse_value
 from vllm_etcd_proxy.proxy.tenancy.limits import TenantCounters, admit, duration
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue, QueueSettings
+from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaView
+from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 
 BAD_LINES = {
     "k rpm=ten": "rpm must be an integer",
@@ -68,26 +70,31 @@ def test_the_key_set_is_open_while_empty_and_knows_keys_from_every_source() -> N
             keys.check(wrong)
 
 
+def workers(count: int) -> Fleet:
+    """The shares of one of ``count`` workers of a replica without etcd (no records: an even split)."""
+    return Fleet(ReplicaView("me", least=count), grace=2.0, decay=7.0)
+
+
 def test_rpm_share_refills_over_a_minute_and_says_when_to_retry() -> None:
-    counters, limits = TenantCounters(), Limits(tenant="t", rpm=120)
-    granted = [admit(counters, limits, 2, 0) for _ in range(60)]  # 120/min over 2 replicas: 60 each
+    counters, limits, fleet = TenantCounters(), Limits(tenant="t", rpm=120), workers(2)
+    granted = [admit(counters, limits, fleet, 0) for _ in range(60)]  # 120/min over 2 workers: 60 each
     assert dict(granted[-1].headers)[b"x-ratelimit-remaining-requests"] == b"0"
     with pytest.raises(RateLimited) as refused:
-        admit(counters, limits, 2, 0)
+        admit(counters, limits, fleet, 0)
     assert refused.value.type == "requests" and refused.value.headers["Retry-After"] == "1"
     assert duration(0.25) == "250ms" and duration(6.5) == "6.5s" and duration(90) == "1m30s"
 
 
 def test_tokens_are_reserved_on_the_estimate_and_settled_on_usage() -> None:
-    counters, limits = TenantCounters(), Limits(tenant="t", tpm=100)
-    first = admit(counters, limits, 1, 90)
-    second = admit(counters, limits, 1, 90)  # admitted: the bucket was not in debt yet
+    counters, limits, fleet = TenantCounters(), Limits(tenant="t", tpm=100), workers(1)
+    first = admit(counters, limits, fleet, 90)
+    second = admit(counters, limits, fleet, 90)  # admitted: the bucket was not in debt yet
     with pytest.raises(RateLimited) as refused:
-        admit(counters, limits, 1, 1)
+        admit(counters, limits, fleet, 1)
     assert refused.value.type == "tokens"
     first.finish(10)
     second.finish(10)  # the answers used far less than estimated: given back
-    admit(counters, limits, 1, 1)
+    admit(counters, limits, fleet, 1)
 
 
 async def test_the_queue_serves_higher_priority_first_then_tenants_by_share() -> None:
@@ -136,11 +143,10 @@ def test_a_reload_keeps_the_counters_of_a_tenant_that_still_exists() -> None:
 
     from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
     from vllm_etcd_proxy.proxy.tenancy.metrics import TenantMetrics
-    from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaCount
 
     keys = KeySet()
     keys.set_file(dict([parse_line("a-key tenant=a rpm=2"), parse_line("b-key tenant=b rpm=2")]))
-    tenancy = Tenancy(keys, ReplicaCount("me"), None, TenantMetrics(CollectorRegistry()))
+    tenancy = Tenancy(keys, workers(1), None, TenantMetrics(CollectorRegistry()))
 
     async def admit_one(key: str) -> None:
         await tenancy.admit(keys.check(f"Bearer {key}"), "m", None, 10, _never, _nowhere)

@@ -362,3 +362,46 @@ async def test_binary_stays_binary_and_text_stays_text_on_any_route(
         assert rcvd is not None and (rcvd.code, rcvd.reason) == (4003, "as asked")
     finally:
         await asyncio.to_thread(replica.stop)
+
+
+async def test_a_session_holds_a_slot_of_the_replica_and_one_of_its_tenants_concurrency(
+    logs_dir: Path, nodes: dict[str, SimNode]
+) -> None:
+    keys = logs_dir / "keys.txt"
+    keys.write_text("solo-key tenant=solo concurrency=1\nfree-key tenant=free\n")
+    flags = ("--mixed", nodes["rt-a"].host_port, "--api-key-file", str(keys), "--max-concurrent-requests", "2")
+    replica = await asyncio.to_thread(ProxyProc, logs_dir, *flags)
+    solo, free = {"authorization": "Bearer solo-key"}, {"authorization": "Bearer free-key"}
+    chat = {"model": "rt-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def post(headers: dict[str, str]) -> httpx.Response:
+        return await asyncio.to_thread(replica.post, "/v1/chat/completions", json=chat, headers=headers)
+
+    async def solo_admitted() -> bool:
+        return (await post(solo)).status_code == 200
+
+    async def refused(headers: dict[str, str]) -> httpx.Response:
+        with pytest.raises(InvalidStatus) as caught:
+            async with connect(ws_url(replica, "?model=rt-a"), additional_headers=headers):
+                pass
+        return caught.value.response
+
+    try:
+        await asyncio.to_thread(replica.wait_routable, "mixed", nodes["rt-a"].host_port)
+        async with connect(ws_url(replica, "?model=rt-a"), additional_headers=solo) as first:
+            await receive(first)
+            # The session is the tenant's one request in flight: another session or request of it waits its turn.
+            again = await refused(solo)
+            assert again.status_code == 429 and json.loads(again.body)["error"]["type"] == "concurrency"
+            assert (await post(solo)).status_code == 429
+            async with connect(ws_url(replica, "?model=rt-a"), additional_headers=free) as second:
+                await receive(second)
+                # Two sessions open: the replica's --max-concurrent-requests 2 are taken.
+                assert (await refused(free)).status_code == 503
+                assert (await post(free)).status_code == 503
+        await eventually(solo_admitted, 10, "the closed sessions' slots given back")
+        assert (await post(free)).status_code == 200
+        assert metric(replica, "vllm_proxy_websocket_sessions_total", route="/v1/realtime", outcome="rate_limited") == 1
+        assert metric(replica, "vllm_proxy_websocket_sessions_total", route="/v1/realtime", outcome="replica_full") == 1
+    finally:
+        await asyncio.to_thread(replica.stop)

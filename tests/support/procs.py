@@ -21,23 +21,15 @@ from bench.procs import free_port as bench_free_port
 HOST = "127.0.0.1"
 
 
-_given_ports: set[int] = set()
 _ports_lock = threading.Lock()
 
 
 def free_port() -> int:
     """A loopback port that is free now and was never handed out before in this test process, drawn below the
     kernel's ephemeral range (``bench.procs.free_port``: outgoing connections take their ports from that range).
-
-    Two draws can give the same number before either process binds it; remembering what was handed out makes a
-    dozen processes started at once get distinct ports.
-    """
+    Safe from several threads of a test at once."""
     with _ports_lock:
-        while True:
-            port = bench_free_port()
-            if port not in _given_ports:
-                _given_ports.add(port)
-                return port
+        return bench_free_port()
 
 
 class DeadPort:

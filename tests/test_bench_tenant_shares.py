@@ -1,0 +1,19 @@
+"""``python -m bench.tenant_shares`` runs end to end on a short load: every tenant of every fleet reported, against
+the one-replica reference, and no request failed. No timing assertions: the machine may be busy."""
+
+from __future__ import annotations
+
+from tests.support.bench import run_bench
+
+
+def test_the_tenant_shares_bench_reports_every_tenant_against_one_replica() -> None:
+    report = run_bench("bench.tenant_shares", "--seconds", "4", "--replicas", "2", timeout=180)
+    assert report["ok"] is True and report["failed"] == 0
+    assert set(report["fleets"]) == {"1", "2"}
+    for fleet in report["fleets"].values():
+        assert len(fleet["tenants"]) == 9 and 0 < fleet["puts_per_replica_second"] <= 1.05
+        for name, tenant in fleet["tenants"].items():
+            assert tenant["admitted"] > 0 and tenant["minute"] is not None, name
+    reference = report["fleets"]["1"]["tenants"]
+    assert all(t["minute"] == 1.0 for t in reference.values())
+    assert report["fleets"]["2"]["tenants"]["concurrency-one"]["peak_in_flight"] <= 10 + 2 - 1
