@@ -60,10 +60,12 @@ from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
 from vllm_etcd_proxy.proxy.routing.balancer import _stable_hash
 from vllm_etcd_proxy.proxy.routing.kv_aware import KV_FULL, KvRouting
 
-HARM = 3.0
+HARM = 1.0
 """How much each sequence generating on a node adds to the cost of computing a prompt there, in units of the
-prompt's own time: each of them is slowed for about as long as the prompt takes (a prompt on a node with one
-sequence costs twice what it costs on an idle one, as much as waiting behind one prompt of its size)."""
+prompt's own time: vLLM puts a chunk of the prompt into each of their steps, so each of them is delayed by about
+as long as the prompt takes. At 1 the prefill goes where the delay it causes, its own wait included, is least
+(bench.elastic: at 2 and 3 the prompts crowded onto the node with no decodes while they were long and the answers
+long too, and waited there past the TTFT target)."""
 BUSY = 8
 """How many generating sequences a prompt computed on a node counts as, for placing a decode there: a decode beside
 prompts being computed gets every token later, so a node doing prefill work is a poor place to decode."""
