@@ -445,22 +445,58 @@ def check_pd(proxies: list[Server], prefill: Node, decode: Node) -> Result:
     return ok, "; ".join(runs)
 
 
+def _idle_seen(proxy: Server, nodes: Sequence[Node], since: float) -> None:
+    """Until ``proxy``'s last scrape of each node, taken after ``since`` (monotonic), says it runs nothing: the
+    elastic decision reads those figures, and one taken while the previous request was decoding makes its node
+    look busy."""
+    ids = {n.node_id for n in nodes}
+    deadline = time.monotonic() + EVENT_TIMEOUT
+    while time.monotonic() < deadline:
+        loads = [w.get("node_load") or {} for w in workers(proxy) if w["id"] in ids]
+        fresh = [
+            load
+            for load in loads
+            if load.get("age_seconds") is not None and time.monotonic() - load["age_seconds"] > since
+        ]
+        if len(fresh) == len(ids) and all(load["running"] == 0 and load["waiting"] == 0 for load in fresh):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{proxy.name} never saw {sorted(ids)} idle")
+
+
 def _split_run(proxy: Server, nodes: Sequence[Node], prompt: str) -> tuple[dict[str, float], str]:
-    """One completion through ``proxy``: each node's external_kv_transfer prompt tokens gained, and the answer."""
+    """One completion through ``proxy`` once it sees the nodes idle: each node's external_kv_transfer prompt
+    tokens gained, and the answer."""
     before = {n.name: external_kv_tokens(n) for n in nodes}
+    _idle_seen(proxy, nodes, time.monotonic())
     text = complete(proxy.url, prompt, 8)["choices"][0]["text"]
     return {n.name: external_kv_tokens(n) - before[n.name] for n in nodes}, text
 
 
+def _cache_on(node: Node, proxy: Server, prompt: str) -> None:
+    """``prompt`` sent to ``node`` directly, until ``proxy`` has indexed its two full blocks there."""
+    before = int(_kv_view(proxy, node).get("blocks_indexed", 0))
+    complete(node.url, prompt, 2)
+    deadline = time.monotonic() + EVENT_TIMEOUT
+    while int(_kv_view(proxy, node).get("blocks_indexed", 0)) < before + 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{proxy.name} never indexed the blocks sent to {node.name}")
+        time.sleep(0.2)
+
+
 def check_both(proxies: list[Server], a: Node, b: Node) -> Result:
-    """Two kv_both nodes: a long prompt is split (its decode node pulls the KV), then that prompt with as much
-    again is prefilled where its start is cached, the decode node of the first, and decoded on the other: KV
-    moved both ways. A short prompt runs on one node, with nothing pulled."""
+    """Two kv_both nodes: a long new prompt is split (the decode node pulls the KV); then a prompt whose start is
+    cached on that decode node alone (sent to it directly) is prefilled there and decoded on the other: KV moved
+    both ways. A short prompt runs on one node, with nothing pulled."""
     nodes = (a, b)
-    first_prompt = words(BLOCK_TOKENS, "both first")
-    first, text1 = _split_run(proxies[0], nodes, first_prompt)
-    second, text2 = _split_run(proxies[0], nodes, first_prompt + " " + words(BLOCK_TOKENS, "both second"))
-    short_gain, text3 = _split_run(proxies[1], nodes, words(40, "both short"))
+    first, text1 = _split_run(proxies[0], nodes, words(BLOCK_TOKENS, "both first"))
+    decoded = [n for n in nodes if first[n.name] > 0]
+    if len(decoded) != 1:
+        return False, f"a {BLOCK_TOKENS}-token prompt through {proxies[0].name}: external_kv_transfer {first}"
+    start = words(BLOCK_TOKENS, "both second")
+    _cache_on(decoded[0], proxies[1], start)
+    second, text2 = _split_run(proxies[1], nodes, start + " " + words(BLOCK_TOKENS, "both second tail"))
+    short_gain, text3 = _split_run(proxies[0], nodes, words(40, "both short"))
     into = [max(gain, key=lambda name: gain[name]) if max(gain.values()) > 0 else None for gain in (first, second)]
     ok = all(into) and into[0] != into[1] and not any(short_gain.values()) and all((text1, text2, text3))
 
@@ -468,9 +504,10 @@ def check_both(proxies: list[Server], a: Node, b: Node) -> Result:
         return ", ".join(f"{name} +{tokens:g}" for name, tokens in gain.items())
 
     evidence = (
-        f"external_kv_transfer prompt tokens: {BLOCK_TOKENS}-token prompt through {proxies[0].name}: {gains(first)}"
-        f" (decoded on {into[0]}); that prompt + {BLOCK_TOKENS} more: {gains(second)} (decoded on {into[1]}); "
-        f"a 40-token prompt through {proxies[1].name}: {gains(short_gain)} (run on one node); "
+        f"external_kv_transfer prompt tokens: a new {BLOCK_TOKENS}-token prompt through {proxies[0].name}: "
+        f"{gains(first)} (decoded on {into[0]}); {BLOCK_TOKENS} tokens cached on {decoded[0].name} directly, then "
+        f"those + {BLOCK_TOKENS} more through {proxies[1].name}: {gains(second)} (decoded on {into[1]}); "
+        f"a 40-token prompt through {proxies[0].name}: {gains(short_gain)} (run on one node); "
         f"answers {len(text1)}, {len(text2)}, {len(text3)} chars"
     )
     return ok, evidence
