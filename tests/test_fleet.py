@@ -77,9 +77,11 @@ def test_registrar_sigterm_drains_then_deregisters(
     reg = reap(Registrar(etcd, node.url, logs_dir))
     for replica in replicas:
         replica.wait_routable("decode", node.host_port)
-    node.configure(itl=0.1)
+    # The stream in flight lasts (100 tokens at 0.2 s) until the draining node has been seen refusing, then is let
+    # run to its end: were it to end first, the registrar would deregister the node and the model be unknown (404).
+    node.configure(itl=0.2)
     with httpx.stream(
-        "POST", f"{replicas[0].url}/v1/chat/completions", json={**CHAT, "max_tokens": 20, "stream": True}, timeout=30
+        "POST", f"{replicas[0].url}/v1/chat/completions", json={**CHAT, "max_tokens": 100, "stream": True}, timeout=30
     ) as stream:
         lines = stream.iter_lines()
         next(line for line in lines if line.startswith("data:"))
@@ -88,6 +90,7 @@ def test_registrar_sigterm_drains_then_deregisters(
             wait_until(lambda r=replica: any(w["status"] == "draining" for w in r.workers()), 5, "draining")
         # A draining node takes no new requests, but the one in flight runs to the end.
         assert replicas[1].post("/v1/chat/completions", json=CHAT).status_code == 503
+        node.configure(itl=0.001)
         rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]"
     assert reg.wait(15) == 0
