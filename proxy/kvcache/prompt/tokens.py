@@ -38,7 +38,7 @@ from vllm_etcd_proxy.fleet.vllm import ModelCard
 from vllm_etcd_proxy.proxy.discovery.state import NodeState
 from vllm_etcd_proxy.proxy.kvcache.prompt.chat_template import ChatTemplate, Unsupported
 from vllm_etcd_proxy.proxy.kvcache.prompt.ids import TokenIds
-from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import CACHE_TOKENS, ChatIds, PrefixIds, Splitter
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import CACHE_TOKENS, ChatIds, PrefixIds, Splitter, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class PromptTokens:
         return ("incremental" if ids.reused else "whole"), ids
 
     def _encode(self, loaded: Loaded, text: str, special: bool) -> list[int]:
-        ids = list(loaded.tokenizer.encode(text, add_special_tokens=special).ids)
+        ids = token_ids(loaded.tokenizer, text, special)
         self._counts[0].inc(len(ids))
         return ids
 
