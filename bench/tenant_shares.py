@@ -235,8 +235,14 @@ def run_once(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         started = time.monotonic()
         tallies = asyncio.run(load([s.url for s in servers], args))
         elapsed = time.monotonic() - started
-        puts = (revision(servers[0]) - first) / replicas / elapsed
-    return {"replicas": replicas, "tallies": tallies, "puts_per_replica_second": round(puts, 2)}
+        puts = (revision(servers[0]) - first) / replicas
+    return {
+        "replicas": replicas,
+        "tallies": tallies,
+        "puts_per_replica_second": round(puts / elapsed, 2),
+        "puts_per_replica": round(puts, 2),
+        "seconds": round(elapsed, 2),
+    }
 
 
 def _wait_counted(servers: list[Server], replicas: int, timeout: float = 30.0) -> None:
@@ -272,7 +278,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fleets = {}
     for count, done in runs.items():
         tenants = {name: compare(t, reference[name], args.seconds) for name, t in done["tallies"].items()}
-        fleets[str(count)] = {"puts_per_replica_second": done["puts_per_replica_second"], "tenants": tenants}
+        fleets[str(count)] = {
+            "puts_per_replica_second": done["puts_per_replica_second"],
+            "puts_per_replica": done["puts_per_replica"],
+            "seconds": done["seconds"],
+            "tenants": tenants,
+        }
     failed = sum(t.failed for done in runs.values() for t in done["tallies"].values())
     return {
         "ok": failed == 0,

@@ -11,7 +11,8 @@ def test_the_tenant_shares_bench_reports_every_tenant_against_one_replica() -> N
     assert report["ok"] is True and report["failed"] == 0
     assert set(report["fleets"]) == {"1", "2"}
     for fleet in report["fleets"].values():
-        assert len(fleet["tenants"]) == 9 and 0 < fleet["puts_per_replica_second"] <= 1.05
+        # At most one put a second per replica: over a short run, one more than its seconds (a put at each end).
+        assert len(fleet["tenants"]) == 9 and 0 < fleet["puts_per_replica"] <= fleet["seconds"] + 1
         for name, tenant in fleet["tenants"].items():
             assert tenant["admitted"] > 0 and tenant["minute"] is not None, name
     reference = report["fleets"]["1"]["tenants"]
