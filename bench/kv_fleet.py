@@ -18,6 +18,7 @@ and blocks held), ``{"stop": true}``. Its first line out says it is bound.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import os
@@ -256,7 +257,7 @@ async def answer(ports: Sequence[int]) -> None:
             self.transport.write(head + body)
 
     loop = asyncio.get_running_loop()
-    servers = [await loop.create_server(lambda p=port: Node(p), HOST, port, backlog=64) for port in ports]  # type: ignore[misc]
+    servers = [await loop.create_server(functools.partial(Node, port), HOST, port, backlog=64) for port in ports]
     sys.stdout.write(json.dumps({"listening": len(servers)}) + "\n")
     sys.stdout.flush()
     await asyncio.Event().wait()
