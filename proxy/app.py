@@ -292,6 +292,16 @@ class Replica:
 
     # -- the request path ---------------------------------------------------------------------------------------
 
+    def _counts_uncached(self, settings: ProxySettings) -> Callable[[str], bool]:
+        """Whether a model's requests need their uncached part counted: with ``--pd-min-prompt-tokens`` for
+        every model, with ``--split-min-prompt-tokens`` for a model that has both nodes now (else not at all)."""
+        if settings.pd_min_prompt_tokens > 0:
+            return lambda model: True
+        if settings.split_min_prompt_tokens <= 0:
+            return lambda model: False
+        pool = self.pool
+        return lambda model: pool.serves(Role.BOTH, model)
+
     def request_path(self) -> Handler:
         """The layers a proxied request goes through (serving/layers.py), outermost first; the optional ones only
         when configured."""
@@ -321,7 +331,7 @@ class Replica:
             self.prompt_tokens.ids,
             BodyLimits(max_bytes=settings.max_body_bytes, timeout=settings.body_timeout),
             affinity=any(p.name in AFFINITY_POLICIES for p in self.policies.values()),
-            count_uncached=settings.pd_min_prompt_tokens > 0 or settings.split_min_prompt_tokens > 0,
+            count_uncached=self._counts_uncached(settings),
             resumes=settings.max_resumes > 0,
         )
         path = Keys(path, self.keys)

@@ -292,6 +292,11 @@ class Pool:
                 found.append(state)
         return found
 
+    def serves(self, role: Role, model: str) -> bool:
+        """Whether some serving node of ``role`` has ``model`` (ejected or not; unlike ``candidates`` it marks no
+        demand)."""
+        return bool(self._index.get((role, model)))
+
     def candidates(self, role: Role, model: str) -> list[NodeState]:
         """Routable nodes of ``role`` serving ``model`` (serving, models known, not ejected). A request asks this,
         so it also marks ``model`` as in demand (see ``in_demand``) when some node serves it."""

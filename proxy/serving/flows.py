@@ -177,8 +177,9 @@ class Flows:
             if adapter is not None and self._disaggregated(adapter.base):
                 request.adapter = adapter
                 return self.adapter_disaggregated
-            if self._pool.candidates(Role.BOTH, self._model(request)):
-                return self._elastic_flow(request, avoid)
+            both = self._pool.candidates(Role.BOTH, self._model(request))
+            if both:
+                return self._elastic_flow(request, avoid, both)
             if self._disaggregated(request.model):
                 return self.decode if self._little_is_new(request) else self.disaggregated
         if adapter is not None:
@@ -191,12 +192,11 @@ class Flows:
         pool = self._pool
         return model is not None and bool(pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model))
 
-    def _elastic_flow(self, request: ProxyRequest, avoid: tuple[NodeState, ...]) -> Flow:
+    def _elastic_flow(self, request: ProxyRequest, avoid: tuple[NodeState, ...], both: list[NodeState]) -> Flow:
         """A model with ``both`` nodes: routing/elastic.py says whether the request runs on one node or is split,
         and between which nodes (``request.plan``)."""
         body, model, pool = request.body, self._model(request), self._pool
         assert body is not None
-        both = pool.candidates(Role.BOTH, model)
         prefill = _without(avoid, [*pool.candidates(Role.PREFILL, model), *both])
         decode = _without(avoid, [*pool.candidates(Role.DECODE, model), *both])
         limit = body.get("max_tokens", body.get("max_completion_tokens"))

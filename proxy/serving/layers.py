@@ -112,13 +112,15 @@ class ReadRequest:
         limits: BodyLimits,
         *,
         affinity: bool,
-        count_uncached: bool,
+        count_uncached: Callable[[str], bool],
         resumes: bool,
     ) -> None:
+        """``count_uncached(model)``: whether a flow may ask for the model's requests' uncached part (a prefill
+        leg or a split that only pays with enough of it); else a request's prompt is read only for the affinity
+        key, and not at all when no policy uses one or the request names its conversation."""
         self.app, self._served, self._kv, self._prompt_ids, self._limits = app, served, kv, prompt_ids, limits
         self._prefixes = PrefixIndex()
         self._affinity, self._count_uncached, self._resumes = affinity, count_uncached, resumes
-        self._read_prompts = affinity or count_uncached
 
     async def __call__(self, request: ProxyRequest) -> None:
         try:
@@ -149,8 +151,9 @@ class ReadRequest:
         body, model = request.body, request.model
         if body is None or model is None:
             return
-        if self._read_prompts:
-            hints = route_hints(self._prefixes, body, request.client.session, count_uncached=self._count_uncached)
+        count = self._count_uncached(model)
+        if self._affinity or count:
+            hints = route_hints(self._prefixes, body, request.client.session, count_uncached=count)
             request.affinity = hints.key if self._affinity else None
             request.uncached_tokens = hints.uncached_tokens
         if self._kv.active():
