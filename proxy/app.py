@@ -42,7 +42,7 @@ from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import PromptTokens
 from vllm_etcd_proxy.proxy.operations.admin import AdminRoutes
 from vllm_etcd_proxy.proxy.operations.dashboard import DashboardRoutes
 from vllm_etcd_proxy.proxy.operations.elasticmetrics import ElasticCollector
-from vllm_etcd_proxy.proxy.operations.hangup import Hangup
+from vllm_etcd_proxy.proxy.operations.hangup import Hangup, StartHangups
 from vllm_etcd_proxy.proxy.operations.info import InfoRoutes, Lifecycle, not_ready_reason
 from vllm_etcd_proxy.proxy.operations.kvmetrics import KvCollector, KvView
 from vllm_etcd_proxy.proxy.operations.models import ModelRoutes
@@ -158,9 +158,11 @@ class ProxyApp:
         await self._app(scope, receive, send)
 
 
-def _hangup(key_file: Callable[[], None] | None, tls: ServerTls | None, metrics: ProxyMetrics) -> Hangup:
+def _hangup(
+    key_file: Callable[[], None] | None, tls: ServerTls | None, metrics: ProxyMetrics, at_start: StartHangups | None
+) -> Hangup:
     """What SIGHUP re-reads: the key file, the TLS certificate (each when configured)."""
-    hangup = Hangup()
+    hangup = Hangup(at_start)
     if key_file is not None:
         hangup.on("--api-key-file", key_file)
     if tls is not None:
@@ -192,7 +194,9 @@ class Replica:
     """Every part of one replica, built from its settings and passed to what uses it: discovery -> pool ->
     balancer -> forwarder -> the request path, and what runs beside it. ``lifespan`` runs the background work."""
 
-    def __init__(self, settings: ProxySettings, transport: Transport | None = None) -> None:
+    def __init__(
+        self, settings: ProxySettings, transport: Transport | None = None, hangups: StartHangups | None = None
+    ) -> None:
         self.settings = settings
         self.lifecycle = Lifecycle()
         self.registry = registry = CollectorRegistry(auto_describe=True)
@@ -257,7 +261,7 @@ class Replica:
             transport or self.http, pool, self.policies, settings, metrics, self.ejector, narrow=self.loader.narrow
         )
         self.supervisor = Supervisor(metrics.task_crashes)
-        self.hangup = _hangup(self.tenancy.reload, self.tls, metrics)
+        self.hangup = _hangup(self.tenancy.reload, self.tls, metrics, hangups)
         for collector in self.collectors():
             registry.register(collector)
 
@@ -444,14 +448,20 @@ class Replica:
             await asyncio.to_thread(self.tracer.shutdown)
 
 
-def build_app(settings: ProxySettings, transport: Transport | None = None, *, wait_ready: float = 0.0) -> ProxyApp:
+def build_app(
+    settings: ProxySettings,
+    transport: Transport | None = None,
+    *,
+    wait_ready: float = 0.0,
+    hangups: StartHangups | None = None,
+) -> ProxyApp:
     """The ASGI app of one replica; ``transport`` carries requests to the nodes (tests pass their own).
 
     With ``wait_ready`` the app's startup waits up to that many seconds for the replica to be ready (pools
     synced, a node routable), so that the server only listens then: a worker restarted beside others takes no
-    connection it would answer with 404 or 503.
+    connection it would answer with 404 or 503. ``hangups``: the SIGHUPs caught while starting (hangup.py).
     """
-    replica = Replica(settings, transport)
+    replica = Replica(settings, transport, hangups)
     scraped = replica.registry
     if os.environ.get(METRICS_DIR_ENV):
         # One of several workers (workers.py): counters and histograms summed over all of them, pool gauges ours.

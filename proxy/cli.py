@@ -23,6 +23,7 @@ from vllm_etcd_proxy.fleet.records import KeyLayout
 from vllm_etcd_proxy.proxy.app import build_app
 from vllm_etcd_proxy.proxy.flags import ENV_PREFIX, LIST_FLAGS, build_parser, settings_from_args
 from vllm_etcd_proxy.proxy.httpserver import GatheringHttpToolsProtocol
+from vllm_etcd_proxy.proxy.operations.hangup import StartHangups
 from vllm_etcd_proxy.proxy.operations.info import Lifecycle
 from vllm_etcd_proxy.proxy.operations.workers import run_workers
 from vllm_etcd_proxy.proxy.settings import ProxySettings
@@ -124,8 +125,11 @@ def listening_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket
 
 def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
     """Run one replica (or one worker of it) until SIGTERM/SIGINT, then drain."""
+    hangups = StartHangups()
+    if settings.api_key_file or settings.tls is not None:
+        hangups.catch()  # before the files are read: a SIGHUP from here on reloads once the app handles it
     # A worker (reuse_port) restarted beside running ones listens only once ready (or after WORKER_READY_WAIT s).
-    app = build_app(settings, wait_ready=WORKER_READY_WAIT if reuse_port else 0.0)
+    app = build_app(settings, wait_ready=WORKER_READY_WAIT if reuse_port else 0.0, hangups=hangups)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -144,8 +148,6 @@ def serve(settings: ProxySettings, *, reuse_port: bool = False) -> None:
     sock = listening_socket(settings.host, settings.port, reuse_port=reuse_port)
     # uvicorn re-raises SIGTERM after its graceful shutdown; a replica that drained cleanly exits 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-    if settings.api_key_file or settings.tls is not None:
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the app's own handler reloads what it can
     DrainingServer(config, delay=settings.shutdown_delay, lifecycle=app.lifecycle).run(sockets=[sock])
 
 

@@ -54,8 +54,10 @@ def worker_main(argv: Sequence[str]) -> None:
     # Our own process group: a terminal's Ctrl-C reaches the parent only, which then asks each worker once.
     os.setpgrp()
     # The parent passes SIGHUP on to every worker: one with nothing to reload must not die of it meanwhile (nor
-    # one still starting, before its app handles SIGHUP).
+    # one still starting, before its app handles SIGHUP). It came blocked from the parent (``_start``): none has
+    # killed this interpreter while it started, and nothing has been read yet that one should reload.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
     with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
@@ -77,7 +79,13 @@ class _Supervisor:
 
     def _start(self, index: int) -> BaseProcess:
         process = self._context.Process(target=worker_main, args=(self._argv,), name=f"vllm-proxy-worker-{index}")
-        process.start()
+        # A new interpreter would die of a SIGHUP (its default) before worker_main ignores it: the worker starts
+        # with SIGHUP blocked (a mask survives exec), and one sent to us meanwhile waits, then reaches it too.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         log.info("worker started index=%d pid=%s", index, process.pid)
         return process
 

@@ -87,6 +87,13 @@ def served_certificate(port: int, context: ssl.SSLContext) -> bytes:
     return der
 
 
+def listeners(port: int) -> int:
+    """Sockets listening on ``port`` on 127.0.0.1 (the kernel's table: state 0A is LISTEN)."""
+    wanted = f"0100007F:{port:04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1] == wanted and row.split()[3] == "0A")
+
+
 def metric(proxy: ProxyProc, name: str, **labels: str) -> float:
     wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     for line in proxy.get("/metrics").text.splitlines():
@@ -242,12 +249,9 @@ def test_every_worker_serves_tls_and_reloads_on_the_parents_sighup(
         logs, "--mixed", node.host_port, *files.flags(), "--workers", "2", name="proxy-tls-workers", tls=context
     )
 
-    def fresh_ready() -> bool:
-        with httpx.Client(verify=context, timeout=5) as client:  # a new connection: either worker may take it
-            return client.get(f"{proxy.url}/ready").status_code == 200
-
     try:
-        wait_until(lambda: all(fresh_ready() for _ in range(8)), 20, "both workers ready")
+        # A worker listens once it is ready (workers.py): two listening sockets on the port are both workers ready.
+        wait_until(lambda: listeners(proxy.port) == 2, 20, "both workers listening")
         assert all(served_certificate(proxy.port, context) == first.der for _ in range(10))
         files.put(second)
         os.kill(proxy.proc.pid, signal.SIGHUP)
