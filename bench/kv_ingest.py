@@ -1,7 +1,7 @@
 """KV-event ingest at fleet scale: one replica subscribed to many publishers while requests route on its index.
 
     python -m bench.kv_ingest [--publishers 200] [--rate 50] [--seconds 20] [--rounds 2] [--baseline DIR]
-                              [--repeat N] [--pin] [--profile DIR] [--quick] [--json]
+                              [--repeat N] [--pin] [--profile DIR [--native]] [--quick] [--json]
 
 ``--publishers`` simulated nodes (bench/kv_fleet.py, in processes apart from the replica, ``--per-process`` each)
 publish vLLM 0.32's exact frames, ``--rate`` batches a second each of 1-8 blocks (and, once a node holds
@@ -75,6 +75,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--pin", action="store_true", help="the replica on CPU 0, the simulated fleet and this process on CPU 1")
     add("--repeat", type=int, default=1, help="run the replicas (before, after, ...) this many times, in turn (1)")
     add("--profile", type=Path, help="py-spy the replica through each first flowing phase, into this directory")
+    add("--native", action="store_true", help="with --profile: C frames too (pyzmq, msgspec, the interpreter)")
     add_run_flags(p, QUICK, "a smoke run")
     args = parse_quick(p, argv, QUICK)
     if min(args.publishers, args.per_process, args.rounds, args.block_size, args.capacity) < 1:
@@ -296,8 +297,8 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def profiler(replica: Server, args: argparse.Namespace, flowing: bool) -> subprocess.Popen[bytes] | None:
-    """py-spy recording the replica (collapsed stacks, all threads, native frames off) through this phase, when
-    ``--profile`` asks for it and no profile of this replica's flow is there yet."""
+    """py-spy recording the replica (collapsed stacks, all threads, native frames with ``--native``) through
+    this phase, when ``--profile`` asks for it and no profile of this replica's flow is there yet."""
     if args.profile is None or not flowing:
         return None
     args.profile.mkdir(parents=True, exist_ok=True)
@@ -305,7 +306,9 @@ def profiler(replica: Server, args: argparse.Namespace, flowing: bool) -> subpro
     if out.exists():
         return None
     spy = Path(sys.executable).with_name("py-spy")
-    argv = [str(spy), "record", "--nonblocking", "--threads", "--rate", "200", "--format", "raw"]
+    # Native unwinding stops the process for each sample; without it py-spy reads it as it runs.
+    argv = [str(spy), "record", "--threads", "--rate", "200", "--format", "raw"]
+    argv += ["--native"] if args.native else ["--nonblocking"]
     argv += ["--duration", str(int(args.seconds)), "--output", str(out), "--pid", str(replica.pid)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

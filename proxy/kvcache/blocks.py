@@ -4,21 +4,23 @@ block keys -> the nodes holding them (``Holders``).
 A dict of Python ints costs a block two int objects (32 bytes each) and an entry (24 bytes, plus its share of
 the table's empty room); here a block is one 8-byte word in ``Holders`` (its 48-bit key and, in the low 16 bits,
 its holder) and two in its node's ``BlockMap``, with no object of its own. Open addressing with linear probing,
-at a load of 0.53-0.8: a table grows by half when it passes 0.8, so it never sits much emptier than that (a
-doubling table sits at 0.4-0.8, which would cost a third more). A removal shifts the entries after it back (no
-tombstones). Past ``SPLIT_AT`` entries a map splits into tables by the top bits of what it is keyed by, each
+at a load of 0.43-0.65: a table grows by half when it passes 0.65, so it never sits much emptier than that (a
+doubling table sits at 0.33-0.65, which would cost a fifth more), and its runs stay short (at 0.8 a miss walked
+13 entries on average, at 0.65 five). A removal shifts the entries after it back (no tombstones). Past ``SPLIT_AT`` entries a map splits into tables by the top bits of what it is keyed by, each
 growing on its own: growing copies a table in Python (~0.25 us an entry), and one table of a million entries
 would hold the ingest for a quarter of a second.
 
-Each store or removal is ~0.5-1 us of Python where a dict's was ~0.1-0.2; routing's lookups read ``Holders``
-(index.py walks its words itself, to save a call per key). Engine hashes are below 2^60 (wire.py folds them),
+Each store or removal is ~0.5-1 us of Python where a dict's was ~0.1-0.2, so the index changes the maps an
+event at a time (``add_all``, ``pop_all``, ``release_all``: one call and one look-up of the tables per event, the
+probe written out in each); routing's lookups read ``Holders`` (index.py walks its words itself, to save a call
+per key). Engine hashes are below 2^60 (wire.py folds them),
 stored plus one so that 0 means empty; keys below 2^48 (index.py folds them).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 _MIN = 16
 HASH_BITS = 60
@@ -39,7 +41,7 @@ HOLDER_SHARD_BITS = 8
 
 
 def _over(used: int, size: int) -> bool:
-    return used * 5 > size * 4
+    return used * 20 > size * 13
 
 
 def _grown(size: int) -> int:
@@ -68,6 +70,25 @@ class _Pairs:
                 i = 0
         hashes[i], self.keys[i] = stored, key
         self.used += 1
+
+    def vacate(self, i: int) -> None:
+        """Empty entry ``i``: the entries after it in its run move back unless their home slot lies in (i, j]."""
+        hashes, keys, size = self.hashes, self.keys, self.size
+        j = i
+        while True:
+            j += 1
+            if j == size:
+                j = 0
+            found = hashes[j]
+            if not found:
+                break
+            home = (found - 1) % size
+            if (i < home <= j) if i <= j else (home > i or home <= j):
+                continue
+            hashes[i], keys[i] = found, keys[j]
+            i = j
+        hashes[i] = keys[i] = 0
+        self.used -= 1
 
     def grow(self) -> None:
         old = zip(self.hashes, self.keys, strict=True)
@@ -109,61 +130,61 @@ class BlockMap:
 
     def add(self, engine_hash: int, key: int) -> bool:
         """Map ``engine_hash`` to ``key`` unless it is mapped already; whether it was added."""
-        h = engine_hash & _FOLD
-        table = self._shards[h >> self._shift]
-        hashes, size, stored = table.hashes, table.size, h + 1
-        i = h % size
-        while True:
-            found = hashes[i]
-            if found == stored:
-                return False
-            if not found:
-                break
-            i += 1
-            if i == size:
-                i = 0
-        hashes[i], table.keys[i] = stored, key
-        table.used += 1
-        self._used += 1
-        if _over(table.used, size):
-            table.grow()
+        return bool(self.add_all([engine_hash], [key]))
+
+    def add_all(self, engine_hashes: Sequence[int], keys: Sequence[int]) -> list[int]:
+        """Map each of ``engine_hashes`` to the key at the same place unless it is mapped already; the places of
+        those added."""
+        added = []
+        shards, shift = self._shards, self._shift
+        for n, engine_hash in enumerate(engine_hashes):
+            h = engine_hash & _FOLD
+            table = shards[h >> shift]
+            hashes, size, stored = table.hashes, table.size, h + 1
+            i = h % size
+            while found := hashes[i]:
+                if found == stored:
+                    break
+                i += 1
+                if i == size:
+                    i = 0
+            else:
+                hashes[i], table.keys[i] = stored, keys[n]
+                table.used += 1
+                added.append(n)
+                if _over(table.used, size):
+                    table.grow()
+        self._used += len(added)
         if self._used > SPLIT_AT and self._shift == HASH_BITS:
             self._split()
-        return True
+        return added
 
     def pop(self, engine_hash: int) -> int | None:
         """Unmap ``engine_hash``; its key (None: it was not mapped)."""
-        h = engine_hash & _FOLD
-        table = self._shards[h >> self._shift]
-        hashes, keys, size = table.hashes, table.keys, table.size
-        stored, i = h + 1, h % size
-        while True:
-            found = hashes[i]
-            if found == stored:
-                break
-            if not found:
-                return None
-            i += 1
-            if i == size:
-                i = 0
-        key = keys[i]
-        j = i
-        while True:  # the entries after i in its run move back unless their home slot lies in (i, j]
-            j += 1
-            if j == size:
-                j = 0
-            found = hashes[j]
-            if not found:
-                break
-            home = (found - 1) % size
-            if (i < home <= j) if i <= j else (home > i or home <= j):
+        found = self.pop_all([engine_hash])
+        return found[0] if found else None
+
+    def pop_all(self, engine_hashes: Iterable[int]) -> list[int]:
+        """Unmap each of ``engine_hashes``; the keys of those that were mapped."""
+        gone = []
+        shards, shift = self._shards, self._shift
+        for engine_hash in engine_hashes:
+            h = engine_hash & _FOLD
+            table = shards[h >> shift]
+            hashes, size, stored = table.hashes, table.size, h + 1
+            i = h % size
+            while found := hashes[i]:
+                if found == stored:
+                    break
+                i += 1
+                if i == size:
+                    i = 0
+            else:
                 continue
-            hashes[i], keys[i] = found, keys[j]
-            i = j
-        hashes[i] = keys[i] = 0
-        table.used -= 1
-        self._used -= 1
-        return key
+            gone.append(table.keys[i])
+            table.vacate(i)
+        self._used -= len(gone)
+        return gone
 
     def values(self) -> Iterator[int]:
         """The keys mapped (a snapshot: the map may change meanwhile)."""
@@ -199,6 +220,25 @@ class _Words:
                 i = 0
         words[i] = word
         self.used += 1
+
+    def vacate(self, i: int) -> None:
+        """Empty entry ``i``, as ``_Pairs.vacate`` does."""
+        words, size = self.words, self.size
+        j = i
+        while True:
+            j += 1
+            if j == size:
+                j = 0
+            word = words[j]
+            if not word:
+                break
+            home = (word >> 16) % size
+            if (i < home <= j) if i <= j else (home > i or home <= j):
+                continue
+            words[i] = word
+            i = j
+        words[i] = 0
+        self.used -= 1
 
     def grow(self) -> None:
         old = self.words
@@ -242,79 +282,73 @@ class Holders:
 
     def add(self, key: int, slot: int) -> None:
         """The node in ``slot`` holds ``key`` (too)."""
-        table = self.shards[key >> self.shift]
-        words, size = table.words, table.size
-        i = key % size
-        while True:
-            word = words[i]
-            if not word:
-                break
-            if word >> 16 == key:
-                code = word & SHARED
-                if code == SHARED:
-                    self.shared[key] |= 1 << slot
-                elif code != slot + 1:
-                    self.shared[key] = (1 << (code - 1)) | (1 << slot)
-                    words[i] = key << 16 | SHARED
-                return
-            i += 1
-            if i == size:
-                i = 0
-        words[i] = key << 16 | (slot + 1)
-        table.used += 1
-        self._used += 1
-        if _over(table.used, size):
-            table.grow()
+        self.add_all([key], slot)
+
+    def add_all(self, keys: Iterable[int], slot: int) -> None:
+        """The node in ``slot`` holds each of ``keys`` (too)."""
+        shards, shift, shared = self.shards, self.shift, self.shared
+        mine, bit, new = slot + 1, 1 << slot, 0
+        for key in keys:
+            table = shards[key >> shift]
+            words, size = table.words, table.size
+            i = key % size
+            while word := words[i]:
+                if word >> 16 == key:
+                    code = word & SHARED
+                    if code == SHARED:
+                        shared[key] |= bit
+                    elif code != mine:
+                        shared[key] = (1 << (code - 1)) | bit
+                        words[i] = key << 16 | SHARED
+                    break
+                i += 1
+                if i == size:
+                    i = 0
+            else:
+                words[i] = key << 16 | mine
+                table.used += 1
+                new += 1
+                if _over(table.used, size):
+                    table.grow()
+        self._used += new
         if self._used > SPLIT_AT and self.shift == KEY_BITS:
             self._split()
 
     def release(self, key: int, slot: int) -> None:
         """The node in ``slot`` no longer holds ``key``."""
-        table = self.shards[key >> self.shift]
-        words, size = table.words, table.size
-        i = key % size
-        while True:
-            word = words[i]
-            if not word:
-                return
-            if word >> 16 == key:
-                break
-            i += 1
-            if i == size:
-                i = 0
-        code = word & SHARED
-        if code != SHARED:
-            if code == slot + 1:
-                self._remove(table, i)
-            return
-        mask = self.shared[key] & ~(1 << slot)
-        if mask & (mask - 1):
-            self.shared[key] = mask
-            return
-        del self.shared[key]
-        if mask:
-            words[i] = key << 16 | mask.bit_length()  # one holder left: its slot plus one
-        else:
-            self._remove(table, i)
+        self.release_all([key], slot)
 
-    def _remove(self, table: _Words, i: int) -> None:
-        words, size = table.words, table.size
-        j = i
-        while True:  # as BlockMap.pop: shift back the entries whose home slot is not in (i, j]
-            j += 1
-            if j == size:
-                j = 0
-            word = words[j]
-            if not word:
-                break
-            home = (word >> 16) % size
-            if (i < home <= j) if i <= j else (home > i or home <= j):
+    def release_all(self, keys: Iterable[int], slot: int) -> None:
+        """The node in ``slot`` no longer holds any of ``keys``."""
+        shards, shift, shared = self.shards, self.shift, self.shared
+        mine, bit, gone = slot + 1, 1 << slot, 0
+        for key in keys:
+            table = shards[key >> shift]
+            words, size = table.words, table.size
+            i = key % size
+            while word := words[i]:
+                if word >> 16 == key:
+                    break
+                i += 1
+                if i == size:
+                    i = 0
+            else:
                 continue
-            words[i] = word
-            i = j
-        words[i] = 0
-        table.used -= 1
-        self._used -= 1
+            code = word & SHARED
+            if code == SHARED:
+                mask = shared[key] & ~bit
+                if mask & (mask - 1):
+                    shared[key] = mask
+                    continue
+                del shared[key]
+                if mask:
+                    words[i] = key << 16 | mask.bit_length()  # one holder left: its slot plus one
+                    continue
+            elif code != mine:
+                continue
+            table.vacate(i)
+            gone += 1
+        self._used -= gone
 
     def _split(self) -> None:
         (old,) = self.shards

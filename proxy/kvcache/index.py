@@ -139,11 +139,7 @@ class KvIndex:
                 if stored is not None:
                     node.conversations.stored(*stored, when)
             elif isinstance(event, Removed):
-                pop, release, slot = node.blocks.pop, self._holders.release, node.slot
-                for engine_hash in event.hashes:
-                    key = pop(engine_hash)
-                    if key is not None:
-                        release(key, slot)
+                self._holders.release_all(node.blocks.pop_all(event.hashes), node.slot)
             elif isinstance(event, Cleared):
                 self._clear(node)
 
@@ -152,37 +148,48 @@ class KvIndex:
         block before its last new one, and of its last new one (None: no block was new)."""
         size, ids, blocks = event.block_size, event.token_ids, node.blocks
         node.block_size = size
+        root = None  # the key of the block before the event's first (None: it starts at the root)
         if event.parent is None:
             key = hash((event.lora, size)) & _MASK
         else:
-            parent = blocks.get(event.parent)
-            if parent is None:
+            root = blocks.get(event.parent)
+            if root is None:
                 node.orphans += len(event.hashes)
                 return None
-            key = parent
-        add, slot, extra = self._holders.add, node.slot, event.extra
-        first: int | None = key if event.parent is not None else None
-        new, last, previous, room = False, key, first, self._max - len(blocks)
-        for i, engine_hash in enumerate(event.hashes):
-            before, key = key, hash((key, *ids[i * size : (i + 1) * size])) & _MASK
-            if extra is not None and (keys := extra[i]) is not None:
-                key = _with_extra(key, keys)
-            if room <= 0 and engine_hash not in blocks:
-                node.over += len(event.hashes) - i
+            key = root
+        hashes, extra = event.hashes, event.extra
+        keys = []
+        for i in range(len(hashes)):
+            key = hash((key, *ids[i * size : (i + 1) * size])) & _MASK
+            if extra is not None and (keys_mixed := extra[i]) is not None:
+                key = _with_extra(key, keys_mixed)
+            keys.append(key)
+        room = self._max - len(blocks)
+        if room >= len(hashes):
+            added = blocks.add_all(hashes, keys)
+        else:
+            added = self._add_within(node, hashes, keys, room)
+        if not added:
+            return None  # stored again (a replayed batch), or no room: already counted
+        self._holders.add_all([keys[i] for i in added], node.slot)
+        first, last = added[0], added[-1]
+        return (keys[first - 1] if first else root), (keys[last - 1] if last else root), keys[last]
+
+    def _add_within(self, node: NodeBlocks, hashes: list[int], keys: list[int], room: int) -> list[int]:
+        """``BlockMap.add_all`` for a node near ``MAX_BLOCKS``: the blocks past its room are counted and left
+        out."""
+        added = []
+        for i, engine_hash in enumerate(hashes):
+            if room <= 0 and engine_hash not in node.blocks:
+                node.over += len(hashes) - i
                 break
-            if not blocks.add(engine_hash, key):
-                continue  # stored again (a replayed batch): already counted
-            room -= 1
-            if not new:
-                new, first = True, (before if i else first)
-            previous, last = before if i else first, key
-            add(key, slot)
-        return (first, previous, last) if new else None
+            if node.blocks.add(engine_hash, keys[i]):
+                added.append(i)
+                room -= 1
+        return added
 
     def _clear(self, node: NodeBlocks) -> None:
-        release = self._holders.release
-        for key in node.blocks.values():
-            release(key, node.slot)
+        self._holders.release_all(node.blocks.values(), node.slot)
         node.blocks.clear()
         node.conversations.clear()
 

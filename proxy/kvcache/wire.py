@@ -8,8 +8,9 @@ A frame is ``[topic, seq (8 bytes, big-endian), payload]``; the payload a msgpac
 ``lora_name``) has one entry per block: None, or the untagged keys vLLM mixed into that block's hash besides its
 tokens, in this order: the adapter's name, ``[media id, offset]`` pairs, the ``cache_salt`` (first block only),
 prompt-embedding digests. They are kept, the adapter's name left out (it keys the chain already), so that the
-index keys a block as vLLM does. Hashes are ints or bytes; bytes are folded
-to 60-bit ints (the index keys on token ids, hashes only name blocks within one node). Unknown fields and
+index keys a block as vLLM does. Hashes are ints or bytes; bytes are folded to 60-bit ints, ints are passed on
+as they came (the index keeps 60 bits of each: it keys on token ids, hashes only name blocks within one node;
+blocks.py). Unknown fields and
 unknown event types are ignored; blocks held elsewhere than on the GPU (offloading media) and in a KV-cache
 group other than the first (hybrid models) are left out, so each block is counted once.
 """
@@ -85,8 +86,8 @@ def _hash(value: object) -> int:
 def _hashes(value: object) -> list[int]:
     if not isinstance(value, list):
         raise Malformed("block_hashes is not a list")
-    if all(type(v) is int for v in value):  # vLLM's default: no call per hash
-        return [v & _FOLD for v in value]
+    if all(type(v) is int for v in value):  # vLLM's default: kept as they came (the index folds them again)
+        return value
     return [_hash(v) for v in value]
 
 
@@ -132,6 +133,8 @@ def _extra(value: object, blocks: int, lora: str) -> list[Extra | None] | None:
         return None
     if not isinstance(value, list) or len(value) != blocks:
         raise Malformed("extra_keys is not one entry per block")
+    if value.count(None) == blocks:  # vLLM's own when nothing else was mixed in: one pass in C
+        return None
     found: list[Extra | None] = []
     others = False
     for entry in value:
