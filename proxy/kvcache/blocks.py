@@ -6,15 +6,16 @@ the table's empty room); here a block is one 8-byte word in ``Holders`` (its 48-
 its holder) and two in its node's ``BlockMap``, with no object of its own. Open addressing with linear probing,
 at a load of 0.43-0.65: a table grows by half when it passes 0.65, so it never sits much emptier than that (a
 doubling table sits at 0.33-0.65, which would cost a fifth more), and its runs stay short (at 0.8 a miss walked
-13 entries on average, at 0.65 five). A removal shifts the entries after it back (no tombstones). Past ``SPLIT_AT`` entries a map splits into tables by the top bits of what it is keyed by, each
-growing on its own: growing copies a table in Python (~0.25 us an entry), and one table of a million entries
-would hold the ingest for a quarter of a second.
+13 entries on average, at 0.65 five). A removal shifts the entries after it back (no tombstones). Past
+``SPLIT_AT`` entries a map splits into tables by the top bits of what it is keyed by, each growing on its own:
+growing copies a table in Python (~0.25 us an entry), and one table of a million entries would hold the ingest
+for a quarter of a second.
 
 Each store or removal is ~0.5-1 us of Python where a dict's was ~0.1-0.2, so the index changes the maps an
 event at a time (``add_all``, ``pop_all``, ``release_all``: one call and one look-up of the tables per event, the
 probe written out in each); routing's lookups read ``Holders`` (index.py walks its words itself, to save a call
-per key). Engine hashes are below 2^60 (wire.py folds them),
-stored plus one so that 0 means empty; keys below 2^48 (index.py folds them).
+per key). Engine hashes are kept to 60 bits (``BlockMap`` folds them), stored plus one so that 0 means empty;
+keys below 2^48 (index.py folds them).
 """
 
 from __future__ import annotations
