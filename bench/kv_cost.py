@@ -199,7 +199,11 @@ def warm_up(sides: dict[str, Side], chats: Chats, args: argparse.Namespace) -> N
             side.chat(chats, -2, turn, measured=False)
 
 
-FAMILIES = {"vllm_proxy_kv_routing_decisions_total": "decision ", "vllm_proxy_prompt_tokenize_total": "tokenize "}
+FAMILIES = {
+    "vllm_proxy_kv_routing_decisions_total": "decision ",
+    "vllm_proxy_prompt_tokenize_total": "tokenize ",
+    "vllm_proxy_prompt_ids_total": "ids ",
+}
 
 
 def counters(side: Side) -> dict[str, float]:
@@ -279,8 +283,8 @@ def ingest(on: Side, off: Side, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def quantiles(values: Sequence[int]) -> dict[str, float]:
-    """p50 and p90 of ns values, in us."""
-    ordered = sorted(values)
+    """p50 and p90 of ns values, in us (0 for none: one-turn conversations have no time between requests)."""
+    ordered = sorted(values) or [0]
     return {
         "p50_us": round(statistics.median(ordered) / 1e3, 1),
         "p90_us": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] / 1e3, 1),

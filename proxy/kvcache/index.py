@@ -39,13 +39,21 @@ _MASK = (1 << KEY_BITS) - 1
 """Keys fit 48 bits: with the holder's 16, one packed word (blocks.py)."""
 
 
-def chain(ids: Sequence[int], block_size: int, lora: str = "", blocks: int | None = None, salt: str = "") -> list[int]:
+def chain(
+    ids: Sequence[int],
+    block_size: int,
+    lora: str = "",
+    blocks: int | None = None,
+    salt: str = "",
+    after: Sequence[int] = (),
+) -> list[int]:
     """The keys of the full blocks of ``ids`` (at most ``blocks`` of them), as the index names them, for a request
-    of adapter ``lora`` with ``cache_salt`` ``salt`` ("": none)."""
-    key = hash((lora, block_size)) & _MASK
+    of adapter ``lora`` with ``cache_salt`` ``salt`` ("": none). ``after``: the keys of its first blocks, worked
+    out before: only the keys of the blocks after them are returned."""
+    key = after[-1] if after else hash((lora, block_size)) & _MASK
     count = len(ids) // block_size if blocks is None else min(blocks, len(ids) // block_size)
     keys = []
-    for start in range(0, count * block_size, block_size):
+    for start in range(len(after) * block_size, count * block_size, block_size):
         key = hash((key, *ids[start : start + block_size])) & _MASK
         if salt and not start:
             key = _with_extra(key, (salt,))

@@ -22,7 +22,10 @@
   says what it really holds) or ``REMEMBER`` seconds, whichever comes first.
 - A prompt's keys are worked out only for its first ``HEAD_TOKENS`` tokens while no node holds (or was just sent)
   its first block: no later block can be a hit then, so the rest of a long prompt is not tokenized for it (it is
-  when a later request finds its start cached), and only those first keys are remembered where it went.
+  when a later request finds its start cached), and only those first keys are remembered where it went. Likewise
+  a prompt that goes on past what some node holds with more than ``LAZY_REST`` new tokens (a document, a tool's
+  output) is read piece by piece only to the first block no node holds; its length for ``CACHED_SHARE`` is then
+  reckoned from the part read.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ cache-aware): then its prefix does not draw the request."""
 KV_FULL = 0.95
 PENDING = 2.0
 """Seconds a conversation this replica began on a node counts there before the node's events show it."""
+LAZY_REST = 2048
+"""Tokens (about) of a prompt past the last block some node holds, beyond which the rest is not tokenized for
+routing (a quick next turn, sent before the node's events, then finds only the part read remembered)."""
+ABOUT_MARGIN = 1.25
+"""How far a prompt read in part may be longer (or shorter) than its part read says before its length is counted
+exactly for ``CACHED_SHARE`` (``KvAware._holds_most``)."""
 HEAD_TOKENS = 1024
 """Tokens of a prompt whose keys are worked out while no node holds its first block (module docstring): a
 shorter prompt is read whole (so that its quick next turn finds all of it remembered), a longer one costs a
@@ -194,11 +203,48 @@ class KvRouting:
             )
         found: list[tuple[NodeState, int, list[int]]] = []
         for block, members, mask in plans:
-            keys = (prompt.keys(block, lora) if whole else heads[block]) if block else []
-            with index.lock:
-                depths = index.depths(keys, mask, recent, valid) if keys else {}
+            keys: list[int]
+            depths: dict[int, int]
+            if not block:
+                keys, depths = [], {}
+            elif whole:
+                keys, depths = self._deepest(prompt, block, lora, mask, recent, valid)
+            else:
+                keys = heads[block]
+                with index.lock:
+                    depths = index.depths(keys, mask, recent, valid)
             found += [(state, depths.get(slot, 0) * block, keys) for state, slot in members]
         return found
+
+    def _deepest(
+        self, prompt: KvPrompt, block: int, lora: str, mask: int, recent: dict[int, int], valid: int
+    ) -> tuple[list[int], dict[int, int]]:
+        """The prompt's keys at ``block`` and, for each slot in ``mask``, how many of them it holds in a row: the
+        ids are read piece by piece until a block that no node holds; what follows is read too unless it is
+        longer than ``LAZY_REST`` (a long new document or tool output is tokenized for its first block or two,
+        not whole: no later block can be a hit)."""
+        index, depths, alive, done = self.index, {}, mask, 0
+        within = max(HEAD_TOKENS, len(prompt.head(0)) - 1)  # the ids known already cost nothing more
+        while True:
+            keys = prompt.keys(block, lora, within)
+            if len(keys) > done:
+                with index.lock:
+                    more = index.depths(keys[done:], alive, recent, valid)
+                alive = 0
+                for slot, depth in more.items():  # the slots holding every key so far, and how far they go now
+                    depths[slot] = done + depth
+                    if done + depth == len(keys):
+                        alive |= 1 << slot
+                done = len(keys)
+            if prompt.complete:
+                return keys, depths
+            if not alive:
+                if prompt.about() - len(prompt.head(0)) > LAZY_REST:
+                    return keys, depths
+                # A short rest is read whole after all: the quick next turn then finds all of it remembered
+                # (no node can hold more of it: every one stopped before its end).
+                return prompt.keys(block, lora), depths
+            within = max((done + 1) * block, len(prompt.head(0)) - 1)  # at least one block more: a piece more
 
     def _groups(self, pool: Sequence[NodeState]) -> dict[int, list[tuple[NodeState, int]]]:
         """The tracked nodes of ``pool`` with their slots, by the block size of their last store (0: none yet)."""
@@ -301,7 +347,7 @@ class KvAware:
         fair = (1 + self._epsilon) * sum(loads) / len(loads) + self._slack
         fit = [(c, n) for c, n in roomy if n <= fair]
         best = max((c[1] for c, _ in fit), default=0)
-        top = [f for f in fit if f[0][1] == best] if best and best >= self._share * (len(prompt.ids) - 1) else []
+        top = [f for f in fit if f[0][1] == best] if self._holds_most(prompt, best) else []
         going_on = [f for f in top if not self._branches(f[0])]
         if len(going_on) == 1:
             # Most of the prompt is cached on a node that is not overloaded, where it is the next turn of a
@@ -318,5 +364,22 @@ class KvAware:
             now = time.monotonic()
             reason, ((state, held, keys), _) = "load", min(roomy, key=self._placement(roomy, prompt, key, now))
             routing.began(state, now)
-        routing.sent(state, keys, held, prompt.complete)
+        # Keys read until no node held the next block (some node held the first) end where the prompt goes on
+        # as nothing cached does: where its chain ends, as far as any node knows.
+        routing.sent(state, keys, held, prompt.complete or any(tokens for _, tokens, _ in cached))
         return self._decided(reason, state)
+
+    def _holds_most(self, prompt: KvPrompt, best: int) -> bool:
+        """Whether ``best`` cached tokens are at least the share of the prompt that draws it to their node. For a
+        prompt read only in part, its length is reckoned from the part read (a long new message is not
+        tokenized for this), and counted exactly only when that reckoning, a quarter out either way, cannot
+        tell."""
+        if not best:
+            return False
+        if not prompt.complete:
+            about = prompt.about()
+            if best >= self._share * (ABOUT_MARGIN * about - 1):
+                return True
+            if best < self._share * (about / ABOUT_MARGIN - 1):
+                return False
+        return best >= self._share * (len(prompt.ids) - 1)

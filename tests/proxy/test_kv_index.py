@@ -311,43 +311,82 @@ def test_a_document_one_conversation_began_with_draws_its_next_turns_but_not_new
     assert choose.choose(nodes, key="other", prompt=KvPrompt([*document, 8, 8, 8, 8, 9, 9], "m")) is placed
 
 
-def test_a_long_prompt_no_node_holds_is_tokenized_only_as_far_as_its_first_blocks(tmp_path: Path) -> None:
-    registry = CollectorRegistry()
-    tokens = PromptTokens({"m": str(vocab.write(tmp_path))}, lambda model: [], registry)
-    tokens.start()
-    tokens._loads[str(tmp_path)].result(timeout=30)  # loaded in its own thread
-    for i in range(CHECKED_SPLITS):  # a model's first chats are also tokenized whole, as a check
-        tokens.prompt_ids("m", {"messages": [{"role": "user", "content": f"hello {i}"}]}, "chat")
-    before = registry.get_sample_value("vllm_proxy_prompt_ids_total", {"source": "tokenized"}) or 0.0
+class Chats:
+    """Chats as a replica reads them for routing (pieces reused, read as far as asked), the ids a node would
+    announce for them (tokenized whole), and the ids the replica has tokenized since it was made."""
 
-    def tokenized() -> float:
-        return (registry.get_sample_value("vllm_proxy_prompt_ids_total", {"source": "tokenized"}) or 0.0) - before
+    def __init__(self, tokenizer: Path) -> None:
+        self.registry = CollectorRegistry()
+        self._replica = PromptTokens({"m": str(tokenizer)}, lambda model: [], self.registry)
+        self._node = PromptTokens({"m": str(tokenizer)}, lambda model: [], CollectorRegistry(), cache_tokens=0)
+        for side in (self._replica, self._node):
+            side.start()
+            side._loads[str(tokenizer)].result(timeout=30)  # loaded in its own thread
+        for i in range(CHECKED_SPLITS):  # a model's first chats are also tokenized whole, as a check
+            self._replica.prompt_ids("m", {"messages": [{"role": "user", "content": f"hello {i}"}]}, "chat")
+        self._before = self._tokenized()
 
-    def read(messages: list[dict[str, str]]) -> KvPrompt:
-        ids = tokens.ids("m", {"messages": messages}, "chat")
+    def _tokenized(self) -> float:
+        return self.registry.get_sample_value("vllm_proxy_prompt_ids_total", {"source": "tokenized"}) or 0.0
+
+    def tokenized(self) -> float:
+        return self._tokenized() - self._before
+
+    def read(self, messages: list[dict[str, str]]) -> KvPrompt:
+        ids = self._replica.ids("m", {"messages": messages}, "chat")
         assert ids is not None
         return KvPrompt(ids, "m")
 
+    def announce(self, index: KvIndex, node: NodeState, messages: list[dict[str, str]], first_hash: int) -> None:
+        """The node stores the chat's full blocks (a BlockStored of them all, hashes from ``first_hash``)."""
+        ids = self._node.prompt_ids("m", {"messages": messages}, "chat")
+        assert ids is not None
+        blocks = len(ids) // BS
+        index.apply(node.entry_key, [stored(list(range(first_hash, first_hash + blocks)), list(ids[: blocks * BS]))])
+
+
+def words(count: int) -> str:
+    return " ".join(vocab.WORDS[i % len(vocab.WORDS)] for i in range(count))  # a token per word
+
+
+def test_a_long_prompt_no_node_holds_is_tokenized_only_as_far_as_its_first_blocks(tmp_path: Path) -> None:
+    chats = Chats(vocab.write(tmp_path))
     index = KvIndex()
     nodes = [state(n) for n in ("a", "b")]
     for i, node in enumerate(nodes):  # each holds a block of something else
         index.apply(node.entry_key, [stored([60 + i], [8 + i] * BS)])
     choose, routing = policy(index)
-    document = " ".join(vocab.WORDS[i % len(vocab.WORDS)] for i in range(20_000))  # a token per word
-    first = [{"role": "user", "content": document}]
-    prompt = read(first)
+    first = [{"role": "user", "content": words(20_000)}]
+    prompt = chats.read(first)
     uncached = routing.uncached(prompt, nodes, upto=256)  # as for --pd-min-prompt-tokens 256, before the choice
     placed = choose.choose(nodes, key="doc", prompt=prompt)
     assert uncached is not None and uncached >= 256 and placed is not None and routing.decisions == {"load": 1}
-    assert tokenized() < HEAD_TOKENS + SOFT_CUT  # of 20,000 tokens: nothing after the first block can be a hit
+    assert chats.tokenized() < HEAD_TOKENS + SOFT_CUT  # of 20,000 tokens: nothing after the first block can be a hit
     # The node it went to announces the prompt's blocks: the next turn is read whole, and follows it there.
-    node_side = PromptTokens({"m": str(tmp_path)}, lambda model: [], CollectorRegistry(), cache_tokens=0)
-    node_side.start()
-    node_side._loads[str(tmp_path)].result(timeout=30)
-    ids = node_side.prompt_ids("m", {"messages": first}, "chat")
-    assert ids is not None
-    blocks = len(ids) // BS
-    index.apply(placed.entry_key, [stored(list(range(1000, 1000 + blocks)), ids[: blocks * BS])])
+    chats.announce(index, placed, first, 1000)
     turn = [*first, {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then"}]
-    assert choose.choose(nodes, key="doc", prompt=read(turn)) is placed
-    assert routing.decisions == {"load": 1, "cached_prefix": 1} and tokenized() > 20_000  # the rest, now
+    assert choose.choose(nodes, key="doc", prompt=chats.read(turn)) is placed
+    assert routing.decisions == {"load": 1, "cached_prefix": 1} and chats.tokenized() > 20_000  # the rest, now
+
+
+def test_a_long_new_document_after_a_cached_preamble_is_read_only_past_it(tmp_path: Path) -> None:
+    # A RAG request or a tool's output: a system preamble some node holds, then 20,000 tokens no node can hold.
+    chats = Chats(vocab.write(tmp_path))
+    index = KvIndex()
+    nodes = [state(n) for n in ("a", "b")]
+    system = {"role": "system", "content": words(600)}
+    chats.announce(index, nodes[0], [system, {"role": "user", "content": "hello"}], 1000)
+    choose, routing = policy(index)
+    assert chats.read([system, {"role": "user", "content": "warm"}]).ids  # the replica has read the preamble before
+    warm = chats.tokenized()
+    document = [system, {"role": "user", "content": words(20_000)}]
+    placed = choose.choose(nodes, key="rag", prompt=chats.read(document))
+    # The preamble is the smaller part: a new conversation, placed by load; the document is read for its first
+    # blocks past the preamble only.
+    assert placed is not None and routing.decisions == {"load": 1}
+    assert chats.tokenized() - warm < SOFT_CUT // 4
+    # Once the node it went to announces the document, the next turn finds it there and reads all of it.
+    chats.announce(index, placed, document, 5000)
+    turn = [*document, {"role": "assistant", "content": "yes"}, {"role": "user", "content": "and then"}]
+    assert choose.choose(nodes, key="rag", prompt=chats.read(turn)) is placed
+    assert routing.decisions == {"load": 1, "cached_prefix": 1} and chats.tokenized() - warm > 20_000

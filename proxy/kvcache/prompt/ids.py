@@ -29,6 +29,9 @@ class TokenIds(Protocol):
 
     def whole(self) -> Sequence[int]: ...
 
+    def about(self) -> int:
+        """About as many as all the ids (exactly when ``complete``), without tokenizing."""
+
 
 PromptIds = Callable[[str, Mapping[str, Any], str], Sequence[int] | TokenIds | None]
 """(model, parsed JSON body, kind: "completion" | "chat" | "generate") -> the prompt's token ids, or None."""
@@ -81,6 +84,9 @@ class _Given:
     def whole(self) -> Sequence[int]:
         return self._ids
 
+    def about(self) -> int:
+        return len(self._ids)
+
 
 class KvPrompt:
     """One request's token ids, with their block keys per (block size, adapter), computed when first asked.
@@ -108,22 +114,23 @@ class KvPrompt:
         """At least the first ``count`` ids, or all of them when the prompt has fewer."""
         return self._source.head(count)
 
+    def about(self) -> int:
+        """About as many as all the ids (exactly when ``complete``), without tokenizing any more of them."""
+        return self._source.about()
+
     def keys(self, block_size: int, lora: str = "", within: int | None = None) -> list[int]:
         """The keys of the prompt's full blocks that a node may have cached: all but a last block that ends at
         the prompt's end (vLLM always computes the last prompt token, so that block is never a hit). With
-        ``within``, only those of the blocks within its first ``within`` tokens while the rest of the prompt is
-        not known (all of them once it is)."""
+        ``within``, those of the blocks in the ids known once its first ``within`` tokens are, while the rest
+        of the prompt is not known (all of them once it is). Keys worked out once are kept and gone on from."""
+        ids = self._source.whole() if within is None else self._source.head(within + 1)
+        count = (len(ids) - 1) // block_size
         if within is not None and not self._source.complete:
-            head = self._source.head(within + 1)  # one more: a block ending at ``within`` is not the last
-            if not self._source.complete:
-                return chain(head, block_size, lora, within // block_size, self.salt)
-        found = self._keys.get((block_size, lora))
-        if found is None:
-            ids = self.ids
-            found = self._keys[(block_size, lora)] = chain(
-                ids, block_size, lora, (len(ids) - 1) // block_size, self.salt
-            )
-        return found
+            count = min(count, within // block_size)
+        keys = self._keys.setdefault((block_size, lora), [])
+        if len(keys) < count:
+            keys += chain(ids, block_size, lora, count, self.salt, after=keys)
+        return keys if len(keys) == count else keys[:count]
 
 
 def read_prompt(prompt_ids: PromptIds, model: str, path: str, body: Mapping[str, Any]) -> KvPrompt | None:

@@ -35,6 +35,10 @@ CACHE_TOKENS = 4_000_000
 SOFT_CUT = 4096
 """Characters of text at least between two cuts at word starts: about a thousand tokens, which a replica
 tokenizes in under a millisecond, where a piece read back from the cache costs it about a microsecond."""
+FIRST_CUT = 256
+"""Characters of a run of text (between special tokens) before its first cut at a word start: a new message's
+first block or two (the only ones a node may hold when it goes on past a cached prefix) without tokenizing the
+rest of it (a long tool output or file, say) for the routing decision."""
 PROBE = 16
 """Leading characters that the pieces after a piece are found by (then compared whole)."""
 
@@ -206,14 +210,14 @@ class Splitter:
 
     def cuts(self, text: str, start: int = 0) -> list[tuple[int, int]]:
         """Where ``text`` is cut after ``start`` (a cut itself), in order: after each special token, and between two
-        of them (or the ends) at the first word start past every ``SOFT_CUT`` characters. Each cut with the length
-        of the special token it follows (0: it is a word start)."""
+        of them (or the ends) at the first word start past ``FIRST_CUT`` characters, then past every ``SOFT_CUT``.
+        Each cut with the length of the special token it follows (0: it is a word start)."""
         hard = [(m.end(), m.end() - m.start()) for m in self._hard.finditer(text, start)] if self._hard else []
         if not self._soft:
             return hard
         cuts: list[tuple[int, int]] = []
         for end, special in (*hard, (len(text), 0)):
-            at = start + SOFT_CUT
+            at = start + FIRST_CUT
             while at < end and (found := _WORD_START.search(text, at, end)) is not None:
                 cuts.append((found.start(), 0))
                 at = found.start() + SOFT_CUT
@@ -313,6 +317,14 @@ class ChatIds:
 
     def whole(self) -> list[int]:
         return self.head(sys.maxsize)
+
+    def about(self) -> int:
+        """About as many as the ids of the whole text (exactly, once ``complete``): those known, and the rest of
+        the text at as many ids a character as the part known."""
+        known = len(self._ids)
+        if self.complete or not self._at:
+            return known if self.complete else self._length  # nothing known yet: one a character at most
+        return known + round((self._length - self._at) * known / self._at)
 
     def _read_cached(self) -> None:
         """Walk down the cache as far as the text goes on as earlier prompts did."""
