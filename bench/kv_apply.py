@@ -42,7 +42,8 @@ class _Unbound:
 
 def frames(nodes: int, batches: int) -> list[Frame]:
     config = {"block_size": 16, "capacity": 1000, "buffer": batches + 1}
-    publishers = [Publisher(_Unbound(), {"index": i, "events": 0, "replay": 0}, config) for i in range(nodes)]  # type: ignore[arg-type]
+    unbound: Any = _Unbound()  # stands in for a zmq.Context: Publisher only makes sockets of it
+    publishers = [Publisher(unbound, {"index": i, "events": 0, "replay": 0}, config) for i in range(nodes)]
     for _ in range(batches):
         for publisher in publishers:
             publisher.publish()
