@@ -89,31 +89,39 @@ class Relay:
         await request.send({"type": "http.response.start", "status": upstream.status, "headers": headers})
 
     async def _relay(self, request: ProxyRequest, upstream: Upstream) -> None:
+        """Each chunk to the client as it comes; except that an answer that is not a stream keeps its latest
+        chunk until the next is in, so its last one goes out as the response's last message (one ASGI message
+        fewer for a JSON answer, which a node sends in one piece; its client can read nothing before its end)."""
         outcome = "cancelled"
         response = upstream.response
+        streamed = _is_event_stream(response.headers)
         try:
             await self._start(request, upstream)
             read, send_body = response.read, request.send_body
             chunks = 0
-            before = last = b""
+            before = last = held = b""
             try:
                 chunk = await read()
                 if chunk:
                     self._first_byte(request, upstream)
                 while chunk:
                     chunks += 1
-                    await send_body(chunk)
+                    if streamed:
+                        await send_body(chunk)
+                    elif held:
+                        await send_body(held)
+                    held = chunk
                     before, last = last, chunk
                     chunk = await read()
             except ProxyError as exc:
                 outcome = "broken"
-                await self._broken(request, exc, _is_event_stream(response.headers))
+                await self._broken(request, exc, streamed)
                 return
             self._metrics.chunks(chunks)
             if request.tally is not None:
                 tally = request.tally
-                tally.chunks, tally.tail, tally.streamed = chunks, before + last, _is_event_stream(response.headers)
-            await request.send_last()
+                tally.chunks, tally.tail, tally.streamed = chunks, before + last, streamed
+            await request.send_last(b"" if streamed else held)
             outcome = "ok"
         finally:
             upstream.close(outcome)
