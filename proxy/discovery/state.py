@@ -68,9 +68,12 @@ class NodeState:
     """``time.monotonic()`` when this replica last saw the node busy or finishing requests (any replica's), or
     first saw it: the start of its idle time (``--sleep-after-idle``)."""
 
-    @property
-    def entry_key(self) -> str:
-        return entry_key(self.node)
+    entry_key: str = field(init=False)
+    """The node's key in the pool (``entry_key``), worked out once: a state's node is only ever replaced by a
+    record of the same entry (pool.py), and routing reads it for every candidate of every request."""
+
+    def __post_init__(self) -> None:
+        self.entry_key = entry_key(self.node)
 
     @property
     def models_known(self) -> bool:
