@@ -303,13 +303,25 @@ class Pool:
         nodes = self._index.get((role, model))
         if not nodes:
             return []  # a name no node serves is not remembered: clients cannot grow the table
+        self._asked(model)
+        return [s for s in nodes.values() if s.admits]
+
+    def available(self, role: Role, model: str) -> bool:
+        """Whether ``candidates(role, model)`` has a node, without making the list (a fleet may have thousands);
+        marks the demand alike."""
+        nodes = self._index.get((role, model))
+        if not nodes:
+            return False
+        self._asked(model)
+        return any(s.admits for s in nodes.values())
+
+    def _asked(self, model: str) -> None:
         now = time.monotonic()
         last = self._asked_at.get(model)
         self._asked_at[model] = now
         if last is None or now - last > DEMAND_WINDOW:
             for listener in self._demand_listeners:
                 listener(model)
-        return [s for s in nodes.values() if s.admits]
 
     def sleeping(self, model: str) -> list[NodeState]:
         """The nodes of ``model`` that sleep or go to sleep (marked in their record, or asleep by their /metrics),

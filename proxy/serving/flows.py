@@ -190,7 +190,7 @@ class Flows:
 
     def _disaggregated(self, model: str | None) -> bool:
         pool = self._pool
-        return model is not None and bool(pool.candidates(Role.PREFILL, model) and pool.candidates(Role.DECODE, model))
+        return model is not None and pool.available(Role.PREFILL, model) and pool.available(Role.DECODE, model)
 
     def _elastic_flow(self, request: ProxyRequest, avoid: tuple[NodeState, ...], both: list[NodeState]) -> Flow:
         """A model with ``both`` nodes: routing/elastic.py says whether the request runs on one node or is split,
@@ -239,7 +239,7 @@ class Flows:
     def check_routable(self, model: str, roles: tuple[Role, ...]) -> None:
         """503 when the model is served but nothing of ``roles`` is routable now; 404 when nobody serves it."""
         pool = self._pool
-        if any(pool.candidates(r, model) for r in roles):
+        if any(pool.available(r, model) for r in roles):
             return
         if any(model in s.models for s in pool.all()):
             raise NoNodeAvailable(f"no node is available for model {model!r} right now; retry shortly")

@@ -82,7 +82,7 @@ class WakeOnDemand:
         await self._wait(base, receive)
 
     def _awake(self, model: str) -> bool:
-        return any(self._pool.candidates(role, model) for role in SERVING_ROLES)
+        return any(self._pool.available(role, model) for role in SERVING_ROLES)
 
     def _sleepers(self, model: str) -> list[NodeState]:
         """The model's sleeping nodes a wake would make it servable with, in the order every replica tries them."""
@@ -223,7 +223,7 @@ class WakeOnDemand:
 
     async def _wake_prefill(self, model: str) -> None:
         """A disaggregated model's decode node woke: one of its prefill nodes too, when none is awake."""
-        if self._pool.candidates(Role.PREFILL, model):
+        if self._pool.available(Role.PREFILL, model):
             return
         for state in self._pool.sleeping(model):
             if state.node.role is Role.PREFILL and woke(await self._waker.wake(state, reason="demand")):
