@@ -278,8 +278,9 @@ class KvReader:
     async def _watch_silence(self) -> None:
         while True:
             await asyncio.sleep(SILENT_CHECK)
-            for sub in self._subs:
-                sub.check_silence()
+            for sub in list(self._subs):
+                if sub.check_silence() and self._subs.get(sub, 1) is None:  # not while it replays already
+                    self._run_for(sub, sub.confirm_silence(self._require_context()))
 
 
 def _room_for(nodes: int) -> None:

@@ -15,7 +15,8 @@ node's socket (ZMQ keeps what comes meanwhile) and runs ``settle`` for it, then 
 
 A node counts as tracked while its publisher is connected (ZMQ's socket monitor says so) and not silent:
 silent is a node that completed requests through this replica, ``SILENT_REQUESTS`` or more in each of two
-``SILENT_CHECK`` windows in a row, without a single event. Untracked nodes are routed by content affinity.
+``SILENT_CHECK`` windows in a row, without a single event, and whose replay socket then holds batches that never
+came live, or does not answer (or that has none to ask). Untracked nodes are routed by content affinity.
 """
 
 from __future__ import annotations
@@ -205,19 +206,42 @@ class Subscriber:
             self.connected, self._resumed = False, True
             log.warning("kv events disconnected node=%s endpoint=%s", self.name, self.endpoint)
 
-    def check_silence(self) -> None:
-        served = self.state.served
+    def check_silence(self) -> bool:
+        """Called every ``SILENT_CHECK`` seconds. True when the node looks silent and its replay socket is to say
+        whether it is (``confirm_silence``); a node without one is marked silent at once."""
+        served, suspect = self.state.served, False
         if self.counts["batches"] != self._batches_seen:
             self._quiet_windows, self.silent = 0, False
         elif served - self._served_seen >= SILENT_REQUESTS:
             self._quiet_windows += 1
             if self._quiet_windows >= 2 and not self.silent:
-                self.silent = True
-                log.warning(
-                    "kv events silent node=%s: it served requests but published nothing; routing by content for it",
-                    self.name,
-                )
+                suspect = self.replay is not None
+                if not suspect:
+                    self._mark_silent("it served requests but published nothing")
         self._served_seen, self._batches_seen = served, self.counts["batches"]
+        return suspect
+
+    async def confirm_silence(self, context: zmq.asyncio.Context) -> None:
+        """Requests without events are no proof of a lost publisher: one whose prompts a node held whole and whose
+        answers filled no block store nothing, so vLLM publishes nothing for them. Ask the replay socket for what
+        came after the last batch: when it answers with nothing, the publisher is alive and nothing was missed;
+        when it answers batches, they are applied, but the live feed lost them (silent); when it does not answer,
+        silent."""
+        before = self.counts["batches"]
+        answered = await self.catch_up(context, 0 if self.last_seq is None else self.last_seq + 1)
+        missed = self.counts["batches"] - before
+        self._batches_seen = self.counts["batches"]  # batches that came by replay do not end a silence
+        if answered and not missed:
+            self._quiet_windows = 0
+        elif not answered:
+            self._mark_silent("it served requests but published nothing, and its replay socket does not answer")
+        else:
+            self._mark_silent(f"its replay socket held {missed} batches that never came live")
+
+    def _mark_silent(self, why: str) -> None:
+        if not self.silent:
+            self.silent = True
+            log.warning("kv events silent node=%s: %s; routing by content for it", self.name, why)
 
     def malformed(self, reason: str) -> None:
         self._count("malformed")

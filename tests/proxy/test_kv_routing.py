@@ -279,3 +279,47 @@ def test_a_node_restart_drops_its_entries(fleet: Fleet) -> None:
     after = decisions(first)
     assert (after["load"], after["cached_prefix"]) == (before["load"] + 1, before["cached_prefix"])
     assert routed(second, [*ids, 9]) == placed  # the other replica follows the new holder
+
+
+def test_a_node_serving_only_prompts_it_holds_whole_stays_tracked(fleet: Fleet) -> None:
+    """vLLM publishes nothing for a request whose prompt it holds whole and whose answer fills no block, so a node
+    serving only such requests is not taken for a lost publisher while its replay socket answers."""
+    proxy, node = fleet.proxies[0], fleet.nodes["c"]
+    ids = prefix(81)
+    announce(fleet, "c", ids, [proxy])
+    before = kv_state(proxy, node)
+    went: list[str] = []
+
+    def asked_its_replay_socket() -> bool:
+        went.append(routed(proxy, [*ids, 1]))  # the same prompt again: nothing new to store, no event
+        return bool(kv_state(proxy, node)["replays"] > before["replays"])
+
+    # Two 5-second windows of requests without events make the replica ask; before, it marked the node silent.
+    wait_until(asked_its_replay_socket, 30, "the replica asking c's replay socket whether it is alive", interval=0.1)
+    went.append(routed(proxy, [*ids, 1]))
+    state = kv_state(proxy, node)
+    assert state["tracked"] and not state["silent"] and state["batches"] == before["batches"]
+    assert set(went) == {node.host_port}  # on its cached prefix all along
+
+
+def test_a_node_whose_batches_come_only_by_replay_is_silent_until_one_comes_live(fleet: Fleet) -> None:
+    proxy, node = fleet.proxies[0], fleet.nodes["c"]
+    ids, lost = prefix(83), prefix(84)
+    announce(fleet, "c", ids, [proxy])
+    before = kv_state(proxy, node)
+    node.configure(kv_events_drop=1000)  # batches numbered and kept for replay, never sent
+    try:
+        send(node, lost)
+
+        def silent() -> bool:
+            routed(proxy, [*ids, 1])
+            return bool(kv_state(proxy, node)["silent"])
+
+        wait_until(silent, 30, "c marked silent: its batches come only by replay", interval=0.1)
+        state = kv_state(proxy, node)
+        assert not state["tracked"] and state["batches"] == before["batches"] + 1  # the lost batch, by replay
+    finally:
+        node.configure(kv_events_drop=0)
+    announce(fleet, "c", prefix(85), [proxy])
+    wait_until(lambda: tracked(proxy, node), 15, "c tracked again once a batch came live")
+    assert routed(proxy, [*lost, 5]) == node.host_port  # what the replay brought is indexed
