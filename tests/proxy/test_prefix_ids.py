@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from tests.support.tokenizers import every_kind, qwen3
+from vllm_etcd_proxy.proxy.kvcache.index import chain
 from vllm_etcd_proxy.proxy.kvcache.prompt import prefix_ids
+from vllm_etcd_proxy.proxy.kvcache.prompt.ids import KvPrompt
 from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import ChatIds
 from vllm_etcd_proxy.proxy.kvcache.prompt.tokens import CHECKED_SPLITS, PromptTokens
 from vllm_etcd_proxy.sim import vocab
@@ -150,6 +152,29 @@ def test_chats_in_pieces_give_the_ids_of_tokenizing_whole(
     # their own first message, not the preamble three times as long as it.
     assert replica.metric("vllm_proxy_prompt_tokenize_total", outcome="incremental") == 3 * 4 - 1
     assert max(first_turns[1:]) < first_turns[0] / 2
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_block_keys_kept_with_the_pieces_are_the_keys_of_the_whole_prompt(sources: dict[str, Path], kind: str) -> None:
+    # Conversations sharing a preamble, turn by turn, asked for their keys at two block sizes, with and without an
+    # adapter and a salt, in an order that has later prompts go on from keys that earlier ones left.
+    replica, whole = Replica(sources[kind]), Replica(sources[kind], cache=False)
+    tags = [(16, "", ""), (4, "tiny-lora", ""), (16, "", "salt-1"), (16, "tiny-lora", "salt-1")]
+    hashed_after_the_first = []
+    for c, bodies in enumerate(conversations(f"keys {kind}", count=3, turns=3)):
+        for turn, body in enumerate(bodies):
+            expected = whole.whole(body)
+            for size, lora, salt in tags[c % 2 :] if turn % 2 else tags:
+                prompt = KvPrompt(replica.ids(body), "m", salt)
+                known = len(replica.ids(body).known_keys((size, lora, salt)))
+                got = prompt.keys(size, lora)
+                assert got == chain(expected, size, lora, (len(expected) - 1) // size, salt), (kind, c, turn, size)
+                if c or turn:
+                    hashed_after_the_first.append((known, len(got)))
+    # Later prompts hashed only their blocks past the keys an earlier one left (most of them, every turn after the
+    # first of the first conversation: the preamble at least).
+    assert all(known <= total for known, total in hashed_after_the_first)
+    assert sum(known for known, _ in hashed_after_the_first) > 0.5 * sum(total for _, total in hashed_after_the_first)
 
 
 def test_a_document_at_the_start_of_two_messages_is_read_back_up_to_where_they_part(

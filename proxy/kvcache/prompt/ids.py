@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 from vllm_etcd_proxy.proxy.kvcache.index import chain
+from vllm_etcd_proxy.proxy.kvcache.prompt.prefix_ids import KeysTag
 
 Kind = Literal["completion", "chat", "generate"]
 
@@ -31,6 +32,13 @@ class TokenIds(Protocol):
 
     def about(self) -> int:
         """About as many as all the ids (exactly when ``complete``), without tokenizing."""
+
+    def known_keys(self, tag: KeysTag) -> list[int]:
+        """Block keys of the prompt's first full blocks for ``tag`` that earlier prompts worked out (maybe none),
+        in a list of the caller's own."""
+
+    def keep_keys(self, tag: KeysTag, keys: Sequence[int]) -> None:
+        """The keys of the prompt's first full blocks for ``tag``, for later prompts that begin as this one."""
 
 
 PromptIds = Callable[[str, Mapping[str, Any], str], Sequence[int] | TokenIds | None]
@@ -87,6 +95,12 @@ class _Given:
     def about(self) -> int:
         return len(self._ids)
 
+    def known_keys(self, tag: KeysTag) -> list[int]:
+        return []
+
+    def keep_keys(self, tag: KeysTag, keys: Sequence[int]) -> None:
+        return None
+
 
 class KvPrompt:
     """One request's token ids, with their block keys per (block size, adapter), computed when first asked.
@@ -98,7 +112,7 @@ class KvPrompt:
         self._source: TokenIds = _Given(ids) if isinstance(ids, Sequence) else ids
         self.model = model
         self.salt = salt
-        self._keys: dict[tuple[int, str], list[int]] = {}
+        self._keys: dict[KeysTag, list[int]] = {}
 
     @property
     def ids(self) -> Sequence[int]:
@@ -122,14 +136,19 @@ class KvPrompt:
         """The keys of the prompt's full blocks that a node may have cached: all but a last block that ends at
         the prompt's end (vLLM always computes the last prompt token, so that block is never a hit). With
         ``within``, those of the blocks in the ids known once its first ``within`` tokens are, while the rest
-        of the prompt is not known (all of them once it is). Keys worked out once are kept and gone on from."""
-        ids = self._source.whole() if within is None else self._source.head(within + 1)
+        of the prompt is not known (all of them once it is). Keys worked out once are kept and gone on from,
+        and so are those an earlier prompt that began the same left with the cached pieces of a chat."""
+        tag, source = (block_size, lora, self.salt), self._source
+        keys = self._keys.get(tag)
+        if keys is None:
+            keys = self._keys[tag] = source.known_keys(tag)
+        ids = source.whole() if within is None else source.head(within + 1)
         count = (len(ids) - 1) // block_size
-        if within is not None and not self._source.complete:
+        if within is not None and not source.complete:
             count = min(count, within // block_size)
-        keys = self._keys.setdefault((block_size, lora), [])
         if len(keys) < count:
             keys += chain(ids, block_size, lora, count, self.salt, after=keys)
+            source.keep_keys(tag, keys)
         return keys if len(keys) == count else keys[:count]
 
 

@@ -13,7 +13,9 @@ start of a prompt, the rest of it cannot be a hit, routing/kv_aware.py). ``Prefi
 tokenizes as a tree: each piece with its text, its ids and the pieces that came after it in some prompt. A later
 prompt that begins with the same text -- the next turn, or another conversation with the same preamble, tool list or
 document -- walks down the tree comparing text (which runs at memory speed: the cached part of a prompt is
-neither searched for cuts nor hashed) and tokenizes only what follows. Tokenizing in pieces is cheaper even when
+neither searched for cuts nor hashed) and tokenizes only what follows. The index's block keys of a prompt are
+kept with its pieces too (each piece the keys of the blocks that end in it), so a later prompt hashes only the
+blocks after the pieces it shares. Tokenizing in pieces is cheaper even when
 nothing is reused: the tokenizers library's cost per token grows with the length of the text it is given
 (bench/README.md).
 """
@@ -42,6 +44,9 @@ rest of it (a long tool output or file, say) for the routing decision."""
 PROBE = 16
 """Leading characters that the pieces after a piece are found by (then compared whole)."""
 
+KEY_COST = 4
+"""Cached ids a kept block key counts as, against ``CACHE_TOKENS``: a key is an int of its own (~40 bytes in a
+tuple), where an id is a pointer to a shared one (8)."""
 _WORD_START = re.compile(r"(?<=\S) (?=[^\W\d_])")
 """A space between a non-space and a letter: where a soft cut goes (the space starts the next piece)."""
 _INTS: list[int] = []
@@ -55,10 +60,14 @@ class Count(Protocol):
     def inc(self, amount: float = 1) -> None: ...
 
 
+KeysTag = tuple[int, str, str]
+"""(block size, LoRA adapter, cache salt): what a prompt's block keys depend on besides its ids."""
+
+
 class Piece:
     """A piece of an earlier prompt's text (from one cut to the next), its ids, and the pieces that came after it."""
 
-    __slots__ = ("text", "ids", "special", "parent", "after", "after_short")
+    __slots__ = ("text", "ids", "special", "parent", "after", "after_short", "keys")
 
     def __init__(self, text: str, ids: tuple[int, ...], special: int, parent: Piece | None) -> None:
         self.text, self.ids, self.parent = text, ids, parent
@@ -67,6 +76,10 @@ class Piece:
         self.after: dict[str, list[Piece]] = {}
         """The pieces after it of ``PROBE`` characters or more, by their first ``PROBE``."""
         self.after_short: list[Piece] = []
+        self.keys: dict[KeysTag, tuple[int, ...]] | None = None
+        """The index's keys of the blocks that end within this piece's ids, where a prompt that went through here
+        had them worked out. A block's key covers every id before it, which are the same for every prompt down
+        this path: a later prompt reads the keys of the pieces it shares and hashes only the blocks after."""
 
     def children(self) -> list[Piece]:
         return [*self.after_short, *(p for same in self.after.values() for p in same)]
@@ -120,6 +133,17 @@ class PrefixIds:
             self._drop(next(iter(self._used)))
         return piece if piece in self._used else None
 
+    def keep_keys(self, piece: Piece, tag: KeysTag, keys: Sequence[int]) -> None:
+        """Keep ``keys`` (those of the blocks that end within ``piece``) with it, counted against the cache's size."""
+        if piece not in self._used or (piece.keys is not None and tag in piece.keys):
+            return
+        if piece.keys is None:
+            piece.keys = {}
+        piece.keys[tag] = tuple(keys)
+        self.tokens += KEY_COST * len(keys)
+        while self.tokens > self._max:
+            self._drop(next(iter(self._used)))
+
     def used(self, pieces: Sequence[Piece]) -> None:
         """A prompt's pieces were just read, its first piece first: marked used from the last to the first, so
         that a piece is dropped only after every piece after it (which is no use without it)."""
@@ -145,7 +169,9 @@ class PrefixIds:
             gone = stack.pop()
             if gone in self._used:
                 del self._used[gone]
-                self.tokens -= len(gone.ids)
+                kept = sum(map(len, gone.keys.values())) if gone.keys else 0
+                self.tokens -= len(gone.ids) + KEY_COST * kept
+            gone.keys = None
             stack += gone.children()
             gone.after, gone.after_short = {}, []
 
@@ -267,6 +293,7 @@ class ChatIds:
         "_at",
         "_ids",
         "_counts",
+        "_path",
         "reused",
     )
 
@@ -281,6 +308,9 @@ class ChatIds:
         self._at = 0
         """Characters of the text whose ids are known."""
         self.reused = 0
+        self._path: list[tuple[Piece, int]] = []
+        """The prompt's cached pieces from its start, each with the ids up to its end: where its block keys are read
+        and kept, so held until the request ends (a piece the cache drops meanwhile lives until then)."""
         self._read_cached()
         if not text.isascii():
             # A lone surrogate (Python's json lets one through) is no text a tokenizer reads: refused here, where
@@ -326,6 +356,27 @@ class ChatIds:
             return known if self.complete else self._length  # nothing known yet: one a character at most
         return known + round((self._length - self._at) * known / self._at)
 
+    def known_keys(self, tag: KeysTag) -> list[int]:
+        """The keys for ``tag`` of the prompt's first blocks that earlier prompts left with its cached pieces: those
+        of the pieces from the start up to the first one that has none."""
+        found: list[int] = []
+        for piece, _ in self._path:
+            kept = piece.keys.get(tag) if piece.keys is not None else None
+            if kept is None:
+                break
+            found += kept
+        return found
+
+    def keep_keys(self, tag: KeysTag, keys: Sequence[int]) -> None:
+        """``keys`` (for ``tag``, of the prompt's first blocks) are kept with the cached pieces whose blocks they
+        all cover, for later prompts that begin the same."""
+        size, start = tag[0], 0
+        for piece, end in self._path:
+            if end // size > len(keys):
+                return
+            self._cache.keep_keys(piece, tag, keys[start // size : end // size])
+            start = end
+
     def _read_cached(self) -> None:
         """Walk down the cache as far as the text goes on as earlier prompts did."""
         cache, text, ends, pieces, ids = self._cache, self._text, self._splitter.ends_at, self._pieces, self._ids
@@ -333,6 +384,7 @@ class ChatIds:
         while node is not None and (found := cache.after(node, text, at, ends)) is not None:
             pieces.append(found)
             ids += found.ids
+            self._path.append((found, len(ids)))
             node, at = found, at + len(found.text)
         self._node, self._at, self.reused = node, at, len(ids)
 
@@ -346,9 +398,10 @@ class ChatIds:
         end, special = self._cuts[self._done]
         text = self._text[self._at : end]
         ids = self._splitter.piece(text)
+        self._ids += ids
         if self._node is not None:
             self._node = self._cache.add(self._node, text, ids, special)
             if self._node is not None:
                 self._pieces.append(self._node)
-        self._ids += ids
+                self._path.append((self._node, len(self._ids)))
         self._at, self._done = end, self._done + 1
