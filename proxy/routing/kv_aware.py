@@ -248,16 +248,14 @@ class KvRouting:
 
     def _groups(self, pool: Sequence[NodeState]) -> dict[int, list[tuple[NodeState, int]]]:
         """The tracked nodes of ``pool`` with their slots, by the block size of their last store (0: none yet)."""
-        index, tracked = self.index, self.tracked
+        index = self.index
         groups: dict[int, list[tuple[NodeState, int]]] = {}
-        for state in pool:  # every candidate of every request: one look-up of the index each
-            name = state.entry_key
-            if tracked(name):
-                blocks = index.node(name)
-                if blocks is None:
-                    groups.setdefault(0, []).append((state, index.slot_of(name)))
-                else:
-                    groups.setdefault(blocks.block_size, []).append((state, blocks.slot))
+        for state in pool:
+            if self.tracked(state.entry_key):
+                blocks = index.node(state.entry_key)
+                groups.setdefault(blocks.block_size if blocks is not None else 0, []).append(
+                    (state, index.slot_of(state.entry_key))
+                )
         return groups
 
     def uncached(
