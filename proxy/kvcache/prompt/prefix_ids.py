@@ -294,6 +294,7 @@ class ChatIds:
         "_ids",
         "_counts",
         "_path",
+        "_keyed",
         "reused",
     )
 
@@ -311,6 +312,8 @@ class ChatIds:
         self._path: list[tuple[Piece, int]] = []
         """The prompt's cached pieces from its start, each with the ids up to its end: where its block keys are read
         and kept, so held until the request ends (a piece the cache drops meanwhile lives until then)."""
+        self._keyed: dict[KeysTag, int] = {}
+        """Pieces of ``_path`` from the start that held their keys for a tag when ``known_keys`` read them."""
         self._read_cached()
         if not text.isascii():
             # A lone surrogate (Python's json lets one through) is no text a tokenizer reads: refused here, where
@@ -360,22 +363,27 @@ class ChatIds:
         """The keys for ``tag`` of the prompt's first blocks that earlier prompts left with its cached pieces: those
         of the pieces from the start up to the first one that has none."""
         found: list[int] = []
+        pieces = 0
         for piece, _ in self._path:
             kept = piece.keys.get(tag) if piece.keys is not None else None
             if kept is None:
                 break
             found += kept
+            pieces += 1
+        self._keyed[tag] = pieces
         return found
 
     def keep_keys(self, tag: KeysTag, keys: Sequence[int]) -> None:
         """``keys`` (for ``tag``, of the prompt's first blocks) are kept with the cached pieces whose blocks they
         all cover, for later prompts that begin the same."""
-        size, start = tag[0], 0
-        for piece, end in self._path:
+        size, first = tag[0], self._keyed.get(tag, 0)  # the pieces before ``first`` hold them already
+        start = self._path[first - 1][1] if first else 0
+        for piece, end in self._path[first:]:
             if end // size > len(keys):
-                return
+                break
             self._cache.keep_keys(piece, tag, keys[start // size : end // size])
-            start = end
+            start, first = end, first + 1
+        self._keyed[tag] = first
 
     def _read_cached(self) -> None:
         """Walk down the cache as far as the text goes on as earlier prompts did."""
