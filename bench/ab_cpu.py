@@ -15,7 +15,6 @@ segments cannot give when the machine is not quiet: ratios between builds of thi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,13 +23,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from bench.procs import cpu_seconds, free_port
+from bench.procs import PEER_BENCH, cpu_seconds, free_port, loadgen
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "bench"
 MODEL = "fake-model"
 HOST = "127.0.0.1"
 
@@ -42,7 +40,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="rounds, every build once each (4)")
     p.add_argument("--seconds", type=float, default=4.0, help="measured seconds of load per build and round (4)")
     p.add_argument("--stream", action="store_true", help="streamed requests of 64 tokens: CPU per chunk")
-    p.add_argument("--shared-bench", type=Path, default=SHARED, help="the peer harness's directory")
+    p.add_argument("--shared-bench", type=Path, default=PEER_BENCH, help="the peer harness's directory")
     args = p.parse_args(argv)
     builds = {}
     for spec in args.builds:
@@ -69,14 +67,9 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) 
     raise TimeoutError(f"{url}: not ready after {timeout:g} s")
 
 
-def _load(args: argparse.Namespace, url: str, seconds: float) -> dict[str, float]:
-    command = [sys.executable, str(args.shared_bench / "loadgen.py"), "--url", f"{url}/v1/completions"]
-    command += ["-n", "0", "-c", "8", "--duration", str(seconds)]
-    if args.stream:
-        command += ["--stream", "--max-tokens", "64"]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
-    result: dict[str, float] = json.loads(done.stdout)
-    return result
+def _load(args: argparse.Namespace, url: str, seconds: float) -> dict[str, Any]:
+    extra = ["--stream", "--max-tokens", "64"] if args.stream else []
+    return loadgen(args.shared_bench, url, 8, seconds, *extra)
 
 
 def _one(args: argparse.Namespace, checkout: Path, backends: Sequence[int], log: Path) -> float:
@@ -99,7 +92,7 @@ def _one(args: argparse.Namespace, checkout: Path, backends: Sequence[int], log:
     finally:
         proc.terminate()
         proc.wait(10)
-    count = result.get("chunks", result["ok"]) if args.stream else result["ok"]
+    count = float(result.get("chunks", result["ok"]) if args.stream else result["ok"])
     return spent * 1e6 / max(1.0, count)
 
 

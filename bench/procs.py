@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -238,6 +239,22 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
             server.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+PEER_BENCH = Path(__file__).resolve().parent.parent.parent / "shared" / "bench"
+"""The peer harness (``../shared/bench``): its fake vLLM backends and load generator."""
+
+
+def loadgen(
+    shared_bench: Path, url: str, concurrency: int, seconds: float, *extra: str, check: bool = True
+) -> dict[str, Any]:
+    """The peer harness's load generator against ``url``'s ``/v1/completions`` for ``seconds`` at ``concurrency``
+    (``extra``: more of its flags); its JSON report. ``check``: fail when it counted errors (it exits 1)."""
+    command = [sys.executable, str(shared_bench / "loadgen.py"), "--url", f"{url}/v1/completions"]
+    command += ["-n", "0", "-c", str(concurrency), "--duration", str(seconds), *extra]
+    done = subprocess.run(command, capture_output=True, text=True, check=check)
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
 
 
 def code_version() -> str:

@@ -16,18 +16,15 @@ they get twice the cores.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from bench.procs import Fleet, Server, cpu_seconds, machine_cpu_seconds
+from bench.procs import PEER_BENCH, Fleet, Server, cpu_seconds, loadgen, machine_cpu_seconds
 
-ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "bench"
 MODEL = "fake-model"
 
 
@@ -36,7 +33,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=4, help="rounds, each replica (and direct) once each (4)")
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds of load per segment (5)")
     p.add_argument("--concurrency", type=int, default=64, help="connections of the load generator (64)")
-    p.add_argument("--shared-bench", type=Path, default=SHARED, help="the peer harness's directory")
+    p.add_argument("--shared-bench", type=Path, default=PEER_BENCH, help="the peer harness's directory")
     return p.parse_args(argv)
 
 
@@ -60,12 +57,8 @@ def _tree_cpu(pid: int) -> dict[int, float]:
     return seen
 
 
-def _load(args: argparse.Namespace, url: str, seconds: float) -> dict[str, float]:
-    command = [sys.executable, str(args.shared_bench / "loadgen.py"), "--url", f"{url}/v1/completions"]
-    command += ["-n", "0", "-c", str(args.concurrency), "--duration", str(seconds)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)  # rc 1: some errors, counted
-    result: dict[str, float] = json.loads(done.stdout)
-    return result
+def _load(args: argparse.Namespace, url: str, seconds: float) -> dict[str, Any]:
+    return loadgen(args.shared_bench, url, args.concurrency, seconds, check=False)  # errors are counted
 
 
 def _segment(args: argparse.Namespace, url: str, server: Server | None) -> dict[str, float | list[float]]:
