@@ -46,22 +46,23 @@ STUBBORN_CHILD = (
     textwrap.dedent(
         """
         import signal
-        signal.signal(signal.SIGTERM, lambda *_: print("ignoring", "SIGTERM", flush=True))
-        print("stubborn", "child", "up", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: print(" ".join(["ignoring", "SIGTERM"]), flush=True))
+        print(" ".join(["stubborn", "child", "up"]), flush=True)
         while True:
             signal.pause()
         """
     ),
 )
 """A wrapped command that outlives SIGTERM (a wedged vLLM); it never answers HTTP, so it is never registered.
-Its lines are printed in pieces: the registrar logs the command, and a test waiting for a line must not find it
-there."""
+Its lines are joined from pieces: the registrar logs the command, and a test waiting for a line must not find it
+there. Each is one write, though: the child's output and the registrar's log share a file, and a line printed as
+separate arguments (a write each, unbuffered) was once cut in two by a log line in between."""
 
 ENGINE = textwrap.dedent(
     """
     import os, signal
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    print("engine", f"pid={os.getpid()}", flush=True)
+    print(" ".join(["engine", f"pid={os.getpid()}"]), flush=True)
     signal.pause()
     """
 )
