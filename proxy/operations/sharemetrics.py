@@ -1,4 +1,4 @@
-"""How the tenants' limits are split (tenancy/shares.py): this replica's share of each limit and the fleet's
+"""How the tenants' limits are held (tenancy/shares.py): what this replica holds of each limit and the fleet's
 demand on /metrics, the replicas seen on /status."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
-from vllm_etcd_proxy.proxy.tenancy.shares import KINDS
+from vllm_etcd_proxy.proxy.tenancy.record import KINDS
 
 
 class ShareCollector(Collector):
@@ -24,8 +24,8 @@ class ShareCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         share = GaugeMetricFamily(
             "vllm_proxy_tenant_limit_share",
-            "This replica's share of a tenant's limit (rpm, tpm: per minute; concurrency: requests in flight), "
-            "in proportion to where the tenant's demand is.",
+            "What this replica holds of a tenant's limit (rpm, tpm: per minute; concurrency: requests in flight): "
+            "capacity moves to the replicas where the tenant's requests are.",
             labels=["tenant", "limit"],
         )
         demand = GaugeMetricFamily(
@@ -39,7 +39,7 @@ class ShareCollector(Collector):
             "The tenant's requests (and WebSocket sessions) in flight on this replica, for its concurrency limit.",
             labels=["tenant"],
         )
-        tenancy, now = self._tenancy, time.monotonic()
+        tenancy = self._tenancy
         fleet, named = tenancy.fleet, tenancy.keys.tenants()
         for tenant in sorted((tenancy.counters.keys() | fleet.view.tenants()) & named.keys()):
             limits = named[tenant]
@@ -50,9 +50,9 @@ class ShareCollector(Collector):
                 limit: int = getattr(limits, kind)
                 if not limit:
                     continue
-                mine = fleet.split(tenant, kind, limit, now).get(fleet.me, 0.0)
-                share.add_metric([tenant, kind], math.ceil(mine - 1e-9) if kind == "concurrency" else mine)
-                demand.add_metric([tenant, kind], fleet.demand(tenant, kind))
+                mine = tenancy.holds(tenant, kind, limit)
+                share.add_metric([tenant, kind], math.floor(mine + 1e-9) if kind == "concurrency" else mine)
+                demand.add_metric([tenant, kind], fleet.demand(tenant, kind, tenancy.asking(tenant, kind)))
         yield share
         yield demand
         yield in_flight

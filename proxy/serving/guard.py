@@ -60,10 +60,10 @@ class SessionGuard:
     def __init__(self, keys: ClientKeys, limit: ConcurrencyLimit, tenancy: Tenancy | None) -> None:
         self._keys, self._limit, self._tenancy = keys, limit, tenancy
 
-    def open(self, authorization: str | bytes | None) -> SessionHold:
+    async def open(self, authorization: str | bytes | None) -> SessionHold:
         """Raises ``Unauthorized``, ``RateLimited`` or ``ServiceUnavailable``."""
         limits = self._keys.check(authorization)
-        ticket = self._tenancy.admit_session(limits) if self._tenancy is not None else None
+        ticket = await self._tenancy.admit_session(limits) if self._tenancy is not None else None
         try:
             self._limit.acquire()
         except ServiceUnavailable:

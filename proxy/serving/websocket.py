@@ -92,7 +92,7 @@ class WebSocketProxy:
         hold: SessionHold | None = None  # the session's slots, given back however it ends
         try:
             try:
-                hold = self._guard.open(client.authorization)
+                hold = await self._guard.open(client.authorization)
                 link = await self.connect(models[0] if models else self._first_model(), hello)
             except (ProxyError, Denied) as exc:
                 denied = Denied.of(exc, client.request_id)

@@ -3,19 +3,28 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Send
 
-from vllm_etcd_proxy.proxy.errors import ClientLeft, QueueTimeout, RateLimited
-from vllm_etcd_proxy.proxy.tenancy.demand import TenantReport
+from vllm_etcd_proxy.proxy.errors import ClientLeft, QueueTimeout
+from vllm_etcd_proxy.proxy.tenancy.holdings import Holding, TenantCounters
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet, Limits
-from vllm_etcd_proxy.proxy.tenancy.limits import Grant, TenantCounters, admit, estimate_tokens
+from vllm_etcd_proxy.proxy.tenancy.lending import hand_on, settle_with, take_from
+from vllm_etcd_proxy.proxy.tenancy.limits import Grant, Shortfall, attempt, estimate_tokens
 from vllm_etcd_proxy.proxy.tenancy.metrics import OPEN, TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue
+from vllm_etcd_proxy.proxy.tenancy.record import Record
 from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
+
+HOLD_MAX = 3.0
+"""Seconds a request may wait for capacity that another replica's record says it could hand over (a record is
+put within a second of a change, and a hand-over takes two)."""
+TICK = 0.25
 
 
 class Relayed(Protocol):
@@ -82,7 +91,9 @@ class Ticket:
 
 
 class Tenancy:
-    """Limits per tenant (shared with the other replicas) and the fair queue; built once in the app."""
+    """Limits per tenant (held with the other replicas) and the fair queue; built once in the app. Wired to the
+    replicas' view: a record that changes may hand capacity to this replica, acknowledge what it handed on, or
+    want what it holds (lending.py); ``run`` looks again every ``TICK`` s (a holding that went idle, one to drop)."""
 
     def __init__(self, keys: KeySet, fleet: Fleet, queue: FairQueue | None, metrics: TenantMetrics) -> None:
         self.keys = keys
@@ -91,6 +102,9 @@ class Tenancy:
         self.metrics = metrics
         self._counters: dict[str, TenantCounters] = {}
         self._version = keys.version
+        self._seq = itertools.count(1)
+        self._change = asyncio.Event()
+        fleet.view.on_change = self.view_changed
 
     def share(self, tenant: str) -> int:
         """A tenant's weight in the queue."""
@@ -102,26 +116,36 @@ class Tenancy:
         """The tenants seen on this replica (that the key set still names), by name."""
         return self._counters
 
-    def reports(self) -> dict[str, TenantReport]:
-        """What this replica publishes about its tenants (replicas.py): those that asked something lately."""
-        now, named = time.monotonic(), self.keys.tenants()
-        out = {}
+    def holds(self, tenant: str, kind: str, limit: int) -> float:
+        """What this replica holds of a tenant's limit now (its even part of what nobody holds, until it uses it)."""
+        now = self.fleet.view.clock()
+        counters = self._counters.get(tenant)
+        holding = counters.holdings.get(kind) if counters is not None else None
+        if holding is None or not holding.explicit:
+            return self.fleet.unheld_share(tenant, kind, limit, now)
+        return holding.effective(self.fleet, limit, now)
+
+    def asking(self, tenant: str, kind: str) -> float:
+        counters = self._counters.get(tenant)
+        return counters.asking(kind, self.fleet.view.clock()) if counters is not None else 0.0
+
+    def reports(self) -> Record:
+        """What this replica publishes about its tenants (replicas.py): every limit it holds explicitly."""
+        now, named = self.fleet.view.clock(), self.keys.tenants()
+        out: Record = {}
         for tenant, counters in self._counters.items():
             limits = named.get(tenant)
-            if limits is not None and limits.limited and (report := counters.report(limits, now)) is not None:
-                out[tenant] = report
+            if limits is not None and limits.limited and (entries := counters.report(limits, now)):
+                out[tenant] = entries
         return out
 
-    def admit_session(self, limits: Limits | None) -> Ticket | None:
+    async def admit_session(self, limits: Limits | None) -> Ticket | None:
         """A WebSocket session holds one of its tenant's concurrency slots while it lasts (``RateLimited`` when
         none is free); None when its key has no concurrency limit."""
         if limits is None or not limits.concurrency:
             return None
-        try:
-            grant = admit(self._counters_of(limits.tenant), limits, self.fleet, 0, session=True)
-        except RateLimited:
-            self.metrics.child(self.metrics.rejections, limits.tenant, "concurrency").inc()
-            raise
+        session = Limits(tenant=limits.tenant, concurrency=limits.concurrency)
+        grant = await self._admit_limited(session, 0, None)
         return Ticket(self, grant, None, limits.tenant, 0)
 
     def _counters_of(self, tenant: str) -> TenantCounters:
@@ -130,7 +154,6 @@ class Tenancy:
             self._version = self.keys.version
             named = self.keys.tenants()
             self._counters = {t: c for t, c in self._counters.items() if t in named}
-            self.fleet.keep_only(named)
         counters = self._counters.get(tenant)
         if counters is None:
             counters = self._counters[tenant] = TenantCounters()
@@ -145,25 +168,182 @@ class Tenancy:
         receive: Receive,
         send: Send,
     ) -> tuple[Ticket, Send]:
-        """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while queued);
+        """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while waiting);
         returns its ticket, and ``send`` with the ``x-ratelimit-*`` headers added when the key has limits."""
         tenant = limits.tenant if limits is not None else OPEN
-        grant = self._grant(limits, tenant, estimate_tokens(raw_length, body))
+        grant = None
+        if limits is not None and limits.limited:
+            grant = await self._admit_limited(limits, estimate_tokens(raw_length, body), receive)
         if self.queue is not None and model is not None:
             await self._wait_turn(self.queue, model, tenant, _priority(limits, body), grant, receive)
         self.metrics.child(self.metrics.requests, tenant).inc()
         ticket = Ticket(self, grant, model, tenant, raw_length // 4)
         return ticket, ticket.wrap(send)
 
-    def _grant(self, limits: Limits | None, tenant: str, estimate: int) -> Grant | None:
-        """The key's limits applied (None: it has none); a request over one is counted and ``RateLimited``."""
-        if limits is None or not limits.limited:
-            return None
+    async def _admit_limited(self, limits: Limits, estimate: int, receive: Receive | None) -> Grant:
+        """The key's limits applied: admitted on what this replica holds, or after waiting (up to ``HOLD_MAX`` s)
+        for what another replica's record says it could hand over; else ``RateLimited``."""
+        counters, fleet, metrics = self._counters_of(limits.tenant), self.fleet, self.metrics
+        now = fleet.view.clock()
+        counters.ask(limits, estimate, now)
+        explicit = counters.explicit()
+        outcome = attempt(counters, limits, fleet, estimate, now)
+        if counters.explicit() != explicit:
+            fleet.wake.set()  # the record has the tenant now
+        deadline, waited = now + HOLD_MAX, False
+        left: asyncio.Future[Message] | None = None
         try:
-            return admit(self._counters_of(tenant), limits, self.fleet, estimate)
-        except RateLimited as exc:
-            self.metrics.child(self.metrics.rejections, tenant, _KINDS.get(exc.type, exc.type)).inc()
-            raise
+            while not isinstance(outcome, Grant):
+                if not outcome.waitable or now >= min(deadline, outcome.until):
+                    refusal = outcome.refusal(now)
+                    metrics.child(metrics.rejections, limits.tenant, _KINDS.get(refusal.type, refusal.type)).inc()
+                    if waited:
+                        metrics.child(metrics.held, limits.tenant, "refused").inc()
+                    raise refusal
+                waited = True
+                left = await self._wait(outcome, receive, left, min(deadline, outcome.until) - now)
+                now = fleet.view.clock()
+                outcome = attempt(counters, limits, fleet, estimate, now)
+        finally:
+            if left is not None:
+                left.cancel()
+        outcome.on_end = self._notify
+        if waited:
+            metrics.child(metrics.held, limits.tenant, "admitted").inc()
+        return outcome
+
+    async def _wait(
+        self, short: Shortfall, receive: Receive | None, left: asyncio.Future[Message] | None, timeout: float
+    ) -> asyncio.Future[Message] | None:
+        """One wait of a request for capacity: what it wants in the record until the replicas' view or a holding
+        changes, or ``timeout``. Raises ``ClientLeft`` when the client disconnected meanwhile."""
+        short.wait(+1)
+        self.fleet.wake.set()
+        change = asyncio.ensure_future(self._change.wait())
+        try:
+            if receive is not None and left is None:
+                left = asyncio.ensure_future(receive())
+            waiting: set[asyncio.Future[Any]] = {change} if left is None else {change, left}
+            await asyncio.wait(waiting, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            change.cancel()
+            short.wait(-1)
+        if left is not None and left.done():
+            if left.result().get("type") == "http.disconnect":
+                raise ClientLeft("the client left while its request waited for its tenant's limit")
+            left = None
+        return left
+
+    def _notify(self) -> None:
+        """Wake the requests waiting for capacity: something they wait for may have changed."""
+        self._change.set()
+        self._change = asyncio.Event()
+
+    # The replicas' records (lending.py)
+
+    def _holding_for(self, tenant: str, kind: str, now: float) -> Holding | None:
+        """This replica's holding of a limit the key set has, ready to take or hand on; None for one it has not."""
+        limits = self.keys.tenants().get(tenant)
+        limit = getattr(limits, kind) if limits is not None else 0
+        if not limit:
+            return None
+        holding = self._counters_of(tenant).holding(kind)
+        holding.prepare(self.fleet, tenant, limit, now)
+        return holding
+
+    def _hand_on(self, tenant: str, kind: str, now: float) -> bool:
+        limits = self.keys.tenants().get(tenant)
+        limit = getattr(limits, kind) if limits is not None else 0
+        if not limit:
+            return False
+        counters = self._counters_of(tenant)
+        holding = counters.holding(kind)
+        if not holding.explicit and self.fleet.unheld_share(tenant, kind, limit, now) <= 0:
+            return False  # nothing to hand on: no entry needed
+        before = len(holding.out)
+        if not hand_on(holding, counters, tenant, limit, self.fleet, now, lambda: next(self._seq)):
+            return False
+        self.metrics.child(self.metrics.handovers, tenant, kind, "given").inc(max(1, len(holding.out) - before))
+        return True
+
+    def view_changed(self, replica: str | None) -> None:
+        """``replica``'s record was put or deleted (None: the folder was listed again)."""
+        fleet = self.fleet
+        now = fleet.view.clock()
+        if replica is None:
+            replicas = set(fleet.others())
+            for counters in self._counters.values():
+                for holding in counters.holdings.values():
+                    replicas.update(holding.out.keys() | holding.taken.keys())
+        else:
+            replicas = {replica}
+        changed = False
+        for name in sorted(replicas - {fleet.me}):
+            changed |= self._exchange(name, now)
+        if changed:
+            fleet.wake.set()
+        self._notify()
+
+    def _exchange(self, name: str, now: float) -> bool:
+        """Take what ``name``'s record hands here, settle what was acknowledged, hand on what it wants."""
+        view = self.fleet.view
+        if not view.seen(name):
+            for tenant, kind, cap in view.bequest(name):
+                holding = self._holding_for(tenant, kind, now)
+                if holding is not None and name not in holding.heir_of:
+                    holding.inherit(name, cap, now)
+                    self.metrics.child(self.metrics.handovers, tenant, kind, "taken").inc()
+            settle_with(name, self.fleet, self._counters, gone=True)
+            return True
+        record = view.record(name)
+        taken = take_from(name, record, self.fleet.me, lambda tenant, kind: self._holding_for(tenant, kind, now))
+        for tenant, kind in taken:
+            self.metrics.child(self.metrics.handovers, tenant, kind, "taken").inc()
+        changed = settle_with(name, self.fleet, self._counters, gone=False) or bool(taken)
+        for tenant, kinds in record.items():
+            for kind, entry in kinds.items():
+                if entry.want > 0:
+                    changed |= self._hand_on(tenant, kind, now)
+        return changed
+
+    def tick(self, now: float) -> None:
+        """What changes without a record: a holding that went idle hands on what others wait for, rebalances, is
+        dropped; what nobody holds goes to its heir."""
+        fleet, named, changed = self.fleet, self.keys.tenants(), False
+        for tenant, kind in fleet.wanted():
+            changed |= self._hand_on(tenant, kind, now)
+        for tenant, counters in list(self._counters.items()):
+            limits = named.get(tenant)
+            if limits is None:
+                continue
+            for kind, holding in counters.holdings.items():
+                limit: int = getattr(limits, kind)
+                if limit and holding.explicit and not fleet.decay(now):
+                    changed |= self._hand_on(tenant, kind, now)
+                    if fleet.heir(tenant, kind):
+                        changed |= holding.inherit_unheld(fleet, tenant, limit, now)
+            changed |= counters.settle(limits, now)
+        if changed:
+            fleet.wake.set()
+            self._notify()
+
+    def lost(self) -> None:
+        """This replica's lease was lost: the others took back what its record held. It holds nothing (its debts
+        and its requests in flight stay) until it is handed capacity again."""
+        for counters in self._counters.values():
+            for holding in counters.holdings.values():
+                if holding.explicit:
+                    holding.cap, holding.level = 0.0, min(holding.level, 0.0)
+                holding.out.clear()
+                holding.taken.clear()
+                holding.dropped = None
+        self.fleet.wake.set()
+
+    async def run(self) -> None:
+        """Look at the holdings every ``TICK`` s (a supervised background task)."""
+        while True:
+            await asyncio.sleep(TICK)
+            self.tick(self.fleet.view.clock())
 
     async def _wait_turn(
         self, queue: FairQueue, model: str, tenant: str, priority: int, grant: Grant | None, receive: Receive

@@ -68,4 +68,17 @@ class TenantMetrics:
             registry=registry,
             multiprocess_mode="liveall",
         )
+        self.held = Counter(
+            "vllm_proxy_tenant_held",
+            "Requests that waited for capacity of their tenant's limits that another replica held, by outcome "
+            "(admitted, refused).",
+            ["tenant", "outcome"],
+            registry=registry,
+        )
+        self.handovers = Counter(
+            "vllm_proxy_tenant_handovers",
+            "Capacity of a tenant's limit handed to another replica (given) or taken from one (taken).",
+            ["tenant", "limit", "direction"],
+            registry=registry,
+        )
         self.child = LabelChildren()

@@ -14,10 +14,10 @@ from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.discovery.watch import KeySink
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
-from vllm_etcd_proxy.proxy.tenancy.demand import encode
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet
 from vllm_etcd_proxy.proxy.tenancy.metrics import TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue, QueueSettings
+from vllm_etcd_proxy.proxy.tenancy.record import encode
 from vllm_etcd_proxy.proxy.tenancy.replicas import FOLDER, REPLICA_TTL, ReplicaLease, ReplicaView, replica_id
 from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 from vllm_etcd_proxy.proxy.tenancy.sources import EtcdKeys, KeyFile
@@ -32,7 +32,7 @@ class TenancyParts:
     sinks: dict[str, KeySink] = field(default_factory=dict)
     """For discovery: the ``keys/`` and ``replicas/`` folders."""
     tasks: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
-    """Background work for the lifespan: the replica's lease."""
+    """Background work for the lifespan: the replica's lease, and the look at its holdings every tick."""
     reload: Callable[[], None] | None = None
     """What SIGHUP runs: re-read ``--api-key-file`` (None without one)."""
 
@@ -84,9 +84,15 @@ def build_tenancy(
     if etcd is not None:
         parts.sinks = {KEYS_FOLDER: EtcdKeys(keys, invalid), FOLDER: view}
         lease = ReplicaLease(
-            etcd, layout, me, lambda: encode(tenancy.reports()), wake=fleet.wake, on_refresh=fleet.refreshed
+            etcd,
+            layout,
+            me,
+            lambda: encode(tenancy.reports()),
+            wake=fleet.wake,
+            on_refresh=fleet.refreshed,
+            on_lost=tenancy.lost,
         )
-        parts.tasks.append(lease.run)
+        parts.tasks += [lease.run, tenancy.run]
     if key_file is not None:
 
         def reload_key_file() -> None:

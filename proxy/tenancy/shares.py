@@ -1,63 +1,37 @@
-"""Each tenant's limits split among the live replicas in proportion to what it asked of each lately (Doorman's
-idea: capacity apportioned by the clients' reported wants), computed by every replica alike from the records all
-of them publish (demand.py, replicas.py), so that no counter is shared per request.
+"""How each tenant's limits are held across the live replicas, as this replica sees it from everyone's records
+(record.py, replicas.py). No counter is shared per request: a limit is capacity that replicas hold and hand on.
 
-With R replicas whose records say the tenant asked d_j of replica j (D their sum), replica i's share of a
-per-minute limit L is::
-
-    share_i = L * d_i / D          when d_i > 0
-    share_i = L * FLOOR / R        when d_i = 0 (a floor)
-    share_i = L / R                when D = 0 (nobody asked anything lately)
-
-The floor lets a replica that starts seeing the tenant admit its first requests before its demand is published
-(within a second); the shares sum to at most L * (1 + FLOOR * (R - 1) / R). A concurrency limit C is split the
-same way, each share rounded up, with a floor of one request: the shares sum to at most C + R - 1.
+- **Held.** A replica whose record has an entry for a tenant's limit holds that entry's ``cap`` (and, for rpm
+  and tpm, a bucket of it); capacity handed on (``to``) is held by nobody until its taker acknowledges it; what a
+  replica that left held stays held until it would have refilled.
+- **Unheld.** What no record holds, ``limit - held``, is split evenly among the replicas whose records have no
+  entry for it, and is full: a replica drops an entry only when its bucket is full (holdings.py). Before anyone
+  asked anything each replica holds ``limit / R``. A replica that starts using the limit takes its even part as
+  it is; the others see it in its record. When every replica has an entry, what nobody holds (a larger limit,
+  capacity a departed replica held once refilled) goes to the first replica in the order all agree on.
+- **Handed on.** Capacity moves only from a replica that holds it to one that asked for it (lending.py), so the
+  replicas never hold more than the limit together, however traffic falls on them.
 
 When etcd is away (the lease not refreshed, or the watch down), the records a replica sees are frozen: its
-shares stay the ones it computed last for ``grace`` seconds, then decay linearly to L / R over ``decay`` seconds,
-finishing before the others can have expired its key and taken its part (setup.py derives both from the TTL).
+holdings stay what they are for ``grace`` seconds, then move linearly to ``limit / R`` over ``decay`` seconds,
+finishing before the others can have expired its key (setup.py derives both from the TTL).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaView
+from vllm_etcd_proxy.proxy.tenancy.record import KINDS, Entry
+from vllm_etcd_proxy.proxy.tenancy.replicas import SETTLED, ReplicaView
 
-FLOOR = 0.05
-KINDS = ("rpm", "tpm", "concurrency")
-
-
-def apportion(limit: float, demands: Mapping[str, float], count: int, floor: float) -> dict[str, float]:
-    """The share of ``limit`` of each replica of ``demands`` (by replica, in the order every replica agrees on),
-    out of ``count`` replicas (those not in ``demands`` asked nothing); ``floor``: the share of one that asked
-    nothing while others did."""
-    total = math.fsum(demands.values())
-    if total <= 0:
-        return {replica: limit / count for replica in demands}
-    return {replica: limit * demand / total if demand > 0 else floor for replica, demand in demands.items()}
-
-
-def floor_of(kind: str, limit: float, count: int) -> float:
-    """A replica's share while the tenant asks only others: a small part of a rate, one request in flight."""
-    return 1.0 if kind == "concurrency" else limit * FLOOR / count
-
-
-@dataclass(frozen=True, slots=True)
-class _Cached:
-    version: int
-    limit: int
-    decay: float
-    split: dict[str, float]
+__all__ = ["KINDS", "Fleet"]
 
 
 class Fleet:
-    """This replica's view of how the tenants' limits are split: the replicas and their records (``view``), and
-    whether that view is fresh. ``wake`` is set when a tenant this replica did not publish yet asks something."""
+    """This replica's view of how the tenants' limits are held: the replicas and their records (``view``), and
+    whether that view is fresh. ``wake`` asks the record to be published now (within the put interval)."""
 
     def __init__(
         self, view: ReplicaView, *, grace: float, decay: float, watching: Callable[[], bool] = lambda: True
@@ -67,7 +41,6 @@ class Fleet:
         self._grace, self._decay = grace, decay
         self._watching = watching
         self._contact: float | None = None
-        self._cache: dict[tuple[str, str], _Cached] = {}
 
     @property
     def me(self) -> str:
@@ -80,57 +53,111 @@ class Fleet:
     def refreshed(self) -> None:
         """The replica's lease was refreshed: etcd is there, and if the watch is up the view is fresh."""
         if self._watching():
-            self._contact = time.monotonic()
+            self._contact = self.view.clock()
 
     def decay(self, now: float) -> float:
-        """0 while the view is fresh, rising to 1 as the shares decay to limit / R when etcd is away."""
+        """0 while the view is fresh, rising to 1 as holdings move to limit / R when etcd is away."""
         if self._contact is None:
             return 0.0
         return min(1.0, max(0.0, (now - self._contact - self._grace) / self._decay))
 
-    def split(self, tenant: str, kind: str, limit: int, now: float) -> dict[str, float]:
-        """Every seen replica's share of ``tenant``'s ``kind`` limit now. The same object while nothing changed,
-        so that a bucket can tell at a glance that it has nothing to follow."""
-        decay = self.decay(now)
-        cached = self._cache.get((tenant, kind))
-        version = self.view.version
-        if cached is not None and (cached.version, cached.limit, cached.decay) == (version, limit, decay):
-            return cached.split
+    def others(self) -> list[str]:
+        return [replica for replica in self.view.members() if replica != self.me]
+
+    def entry(self, replica: str, tenant: str, kind: str) -> Entry | None:
+        return self.view.entry(replica, tenant, kind)
+
+    def held_elsewhere(self, tenant: str, kind: str, now: float) -> float:
+        """What the other replicas hold of the limit by their records: their caps, what they handed on that its
+        taker's record does not acknowledge yet (this replica's too: until its record says so, it may not have
+        taken it), and what replicas that left held and no live one took yet."""
         view = self.view
-        demands = {replica: view.report(replica, tenant).demand(kind) for replica in view.members()}
-        split = apportion(limit, demands, view.count, floor_of(kind, limit, view.count))
-        if decay:
-            fair = limit / view.count
-            split = {replica: share + decay * (fair - share) for replica, share in split.items()}
-        self._cache[(tenant, kind)] = _Cached(version, limit, decay, split)
-        return split
+        held = view.reserved(tenant, kind, now)
+        for replica in self.others():
+            entry = view.entry(replica, tenant, kind)
+            if entry is None:
+                continue
+            held += entry.cap
+            for taker, transfer in entry.to.items():
+                got = view.entry(taker, tenant, kind)
+                if got is None or got.got.get(replica, 0) < transfer.seq:
+                    held += transfer.cap
+        return held
 
-    def given_fill(self, replica: str, tenant: str, kind: str, share: float) -> float:
-        """How full the part of its ``share`` that ``replica`` gave up was, from its record
-        (``TenantReport.given_fill``; full when it has none of the tenant); 0 for a replica that left (what it
-        held is not handed on: better to admit too little than too much)."""
-        if replica != self.me and not self.view.seen(replica):
-            return 0.0
-        return self.view.report(replica, tenant).given_fill(kind, share)
-
-    def quiet_givers(self, old: Mapping[str, float], new: Mapping[str, float], tenant: str, now: float) -> bool:
-        """Whether every replica whose share fell from ``old`` to ``new`` can hold nothing of ``tenant`` it did not
-        publish (``ReplicaView.quiet``): then a share that grows may be taken at once."""
+    def unheld_share(self, tenant: str, kind: str, limit: int, now: float) -> float:
+        """This replica's even part of what no record holds (it has no entry of its own); whole slots for
+        concurrency, dealt in the order every replica agrees on."""
         view = self.view
-        return all(
-            view.quiet(replica, tenant, now)
-            for replica, share in old.items()
-            if replica != self.me and share > new.get(replica, 0.0)
-        )
+        others = self.others()
+        implicit = [r for r in others if view.entry(r, tenant, kind) is None]
+        holders = max(1, self.count - (len(others) - len(implicit)))
+        left = max(0.0, limit - self.held_elsewhere(tenant, kind, now))
+        if kind != "concurrency":
+            return left / holders
+        slots = int(left + 1e-9)
+        place = sorted([*implicit, self.me]).index(self.me)
+        return float(slots // holders + (1 if place < slots % holders else 0))
 
-    def running(self, replica: str, tenant: str) -> int:
-        return self.view.report(replica, tenant).running
-
-    def demand(self, tenant: str, kind: str) -> float:
-        """The fleet's demand: the sum of what every record says the tenant asked."""
+    def heir(self, tenant: str, kind: str) -> bool:
+        """Whether what no record holds goes to this replica: every replica has an entry, and it comes first."""
         view = self.view
-        return math.fsum(view.report(replica, tenant).demand(kind) for replica in view.members())
+        if self.count > len(view.members()):
+            return False  # --workers without etcd: the others hold their parts unseen
+        return all(view.entry(r, tenant, kind) is not None for r in self.others()) and view.members()[0] == self.me
 
-    def keep_only(self, tenants: Mapping[str, object]) -> None:
-        """Forget the splits of tenants the key set no longer names."""
-        self._cache = {key: cached for key, cached in self._cache.items() if key[0] in tenants}
+    def available(self, tenant: str, kind: str, limit: int, mine: float, now: float) -> float:
+        """What the other replicas could hand this one by their records: what their buckets hold (free slots for
+        concurrency), and the part of what no record holds that is theirs; ``mine``: what this replica holds or
+        handed on unacknowledged. Replicas without records (``--workers`` without etcd) hand nothing."""
+        view, total, implicit = self.view, 0.0, 0
+        for replica in self.others():
+            entry = view.entry(replica, tenant, kind)
+            if entry is None:
+                implicit += 1
+            else:
+                total += max(0.0, entry.spare)
+        if implicit:
+            unseen = self.count - len(view.members())
+            left = max(0.0, limit - self.held_elsewhere(tenant, kind, now) - mine)
+            total += left * implicit / (implicit + unseen)
+        return total
+
+    def freeing(self, tenant: str, kind: str, now: float) -> float:
+        """Until when a replica whose record says its slots are taken may have freed some since: the latest time its
+        record, put within the last second, may still be followed by one that says so (-inf: none may)."""
+        view, until = self.view, -math.inf
+        for replica in self.others():
+            entry = view.entry(replica, tenant, kind)
+            if entry is not None and entry.running and entry.cap > 0:
+                until = max(until, view.arrived(replica) + SETTLED)
+        return until if until > now else -math.inf
+
+    def wants(self, tenant: str, kind: str) -> dict[str, float]:
+        """What the other replicas' waiting requests need of the limit, by replica (only those that need some)."""
+        out = {}
+        for replica in self.others():
+            entry = self.view.entry(replica, tenant, kind)
+            if entry is not None and entry.want > 0:
+                out[replica] = entry.want
+        return out
+
+    def asks(self, tenant: str, kind: str) -> dict[str, float]:
+        """What the tenant asked of each other replica lately, by their records."""
+        out = {}
+        for replica in self.others():
+            entry = self.view.entry(replica, tenant, kind)
+            if entry is not None and entry.ask > 0:
+                out[replica] = entry.ask
+        return out
+
+    def demand(self, tenant: str, kind: str, mine: float) -> float:
+        """The fleet's demand: what every record says the tenant asked, this replica's ``mine`` in place of its."""
+        return math.fsum(self.asks(tenant, kind).values()) + mine
+
+    def wanted(self) -> set[tuple[str, str]]:
+        """(tenant, kind) that some other replica's waiting requests need."""
+        out: set[tuple[str, str]] = set()
+        for replica in self.others():
+            for tenant, kinds in self.view.record(replica).items():
+                out.update((tenant, kind) for kind, entry in kinds.items() if entry.want > 0)
+        return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 
 import pytest
 
@@ -11,8 +12,9 @@ from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.app import static_node
 from vllm_etcd_proxy.proxy.discovery.pool import Pool
 from vllm_etcd_proxy.proxy.errors import RateLimited, Unauthorized
+from vllm_etcd_proxy.proxy.tenancy.holdings import TenantCounters
 from vllm_etcd_proxy.proxy.tenancy.keys import InvalidKey, KeySet, Limits, parse_line, parse_value
-from vllm_etcd_proxy.proxy.tenancy.limits import TenantCounters, admit, duration
+from vllm_etcd_proxy.proxy.tenancy.limits import Grant, Shortfall, attempt, duration
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue, QueueSettings
 from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaView
 from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
@@ -73,6 +75,15 @@ def test_the_key_set_is_open_while_empty_and_knows_keys_from_every_source() -> N
 def workers(count: int) -> Fleet:
     """The shares of one of ``count`` workers of a replica without etcd (no records: an even split)."""
     return Fleet(ReplicaView("me", least=count), grace=2.0, decay=7.0)
+
+
+def admit(counters: TenantCounters, limits: Limits, fleet: Fleet, estimate: int) -> Grant:
+    """One request on this replica alone: admitted, or its 429."""
+    outcome = attempt(counters, limits, fleet, estimate, time.monotonic())
+    if isinstance(outcome, Shortfall):
+        assert not outcome.waitable  # no other replica could hand anything over
+        raise outcome.refusal(time.monotonic())
+    return outcome
 
 
 def test_rpm_share_refills_over_a_minute_and_says_when_to_retry() -> None:

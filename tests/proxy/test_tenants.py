@@ -145,10 +145,11 @@ def test_a_key_over_its_rpm_gets_the_whole_limit_through_one_replica_then_openai
 
 
 def test_tokens_are_charged_from_the_nodes_usage_and_tpm_refuses_once_spent(replicas: list[ProxyProc]) -> None:
-    replica = replicas[0]  # tpm=200: this replica holds 100 tokens a minute, and up to 200 as its share grows
+    replica = replicas[0]  # tpm=200: through one replica, the whole 200 (the other hands its part over)
     statuses, used, largest = [], 0, 0
     started = time.monotonic()
-    for _ in range(6):
+    while 429 not in statuses:
+        assert len(statuses) < 20, statuses
         answer = replica.post(
             "/v1/chat/completions",
             headers=auth("tpm-key"),
@@ -169,37 +170,44 @@ def test_tokens_are_charged_from_the_nodes_usage_and_tpm_refuses_once_spent(repl
             assert answer.headers["x-ratelimit-limit-tokens"] == "200"
             assert answer.headers["x-ratelimit-remaining-tokens"] == "0"
     refilled = (time.monotonic() - started) * 200 / 60
-    assert statuses[0] == 200 and 429 in statuses
+    assert statuses[0] == 200
     assert metric(replica, "vllm_proxy_tenant_tokens_total", tenant="tpm-team") == used
-    # Admitted only while the limit was not spent: the overshoot is at most one request's tokens.
-    assert used <= 200 + largest + refilled
+    # Admitted while the limit was not spent: as one replica holding it would, up to one request's tokens over.
+    assert 200 - largest <= used <= 200 + largest + refilled
 
 
-def test_a_key_at_its_concurrency_share_gets_429_until_its_request_ends(replicas: list[ProxyProc]) -> None:
-    a, b = replicas  # concurrency=2: one in flight on each replica until the shares follow the demand
-    holding = threading.Event()
+def test_a_key_at_its_concurrency_limit_gets_429_until_one_of_its_requests_ends(
+    replicas: list[ProxyProc], node: SimNode
+) -> None:
+    a, b = replicas  # concurrency=2: both through a (b hands its slot over), none left for b
+    node.configure(itl=0.02)  # streams of 8 s
+    started = [threading.Event(), threading.Event()]
     results: list[int] = []
 
-    def long_stream() -> None:
+    def long_stream(started: threading.Event) -> None:
         with httpx.stream(
             "POST", f"{a.url}/v1/chat/completions", json=chat(400, stream=True), headers=auth("conc-key"), timeout=30
         ) as answer:
             for _ in answer.iter_lines():
-                holding.set()
+                started.set()
             results.append(answer.status_code)
 
-    thread = threading.Thread(target=long_stream)
-    thread.start()
+    threads = [threading.Thread(target=long_stream, args=(event,)) for event in started]
+    for thread in threads:
+        thread.start()
     try:
-        assert holding.wait(10)
-        refused = a.post("/v1/chat/completions", json=chat(), headers=auth("conc-key"))
-        assert refused.status_code == 429 and refused.json()["error"]["type"] == "concurrency"
-        assert refused.headers["retry-after"] == "1"
-        assert b.post("/v1/chat/completions", json=chat(), headers=auth("conc-key")).status_code == 200
+        assert all(event.wait(10) for event in started)
+        for replica in (a, b):
+            refused = replica.post("/v1/chat/completions", json=chat(), headers=auth("conc-key"))
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "concurrency"
+            assert refused.headers["retry-after"] == "1"
     finally:
-        thread.join(30)
-    assert results == [200]
-    assert a.post("/v1/chat/completions", json=chat(), headers=auth("conc-key")).status_code == 200
+        for thread in threads:
+            thread.join(30)
+        node.configure(itl=0.002)
+    assert results == [200, 200]
+    for replica in (b, a):
+        assert replica.post("/v1/chat/completions", json=chat(), headers=auth("conc-key")).status_code == 200
 
 
 def test_bad_key_lines_are_skipped_and_counted_and_bare_keys_still_work(replicas: list[ProxyProc]) -> None:

@@ -1,0 +1,171 @@
+"""How capacity moves between replicas (shares.py says how it is held): a replica whose requests wait for capacity
+publishes what they ``want``; replicas that hold some hand it over in their records; the taker adds it and
+acknowledges it in its own. Each hand-over is taken once and is held by nobody in between, so the replicas never
+hold more than the limit together.
+
+- **Whom a replica hands to.** Replicas whose records want capacity of the limit, in proportion to what each
+  wants, one hand-over to each at a time (the next once it acknowledged the last).
+- **What.** An idle replica (nothing asked here for ``IDLE`` s, nothing waiting: its client went elsewhere) hands
+  on everything it holds of the limit, its bucket's level with it. A busy one hands on what its bucket holds beyond
+  what its own requests would take in ``HORIZON`` s (free slots beyond those it wants, for concurrency).
+- **Rebalancing.** Otherwise, a replica that holds more than its part of the fleet's asks hands the excess to
+  replicas that refused requests lately and hold less than half of their part, its bucket's fill with it: a
+  tenant's refill follows where it asks, as one bucket's first-come first-served would give it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from vllm_etcd_proxy.proxy.tenancy.holdings import Holding, TenantCounters, spare_parts
+from vllm_etcd_proxy.proxy.tenancy.record import Record
+from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
+
+REBALANCE_UNDER = 0.5
+
+
+def hand_on(
+    holding: Holding,
+    counters: TenantCounters,
+    tenant: str,
+    limit: int,
+    fleet: Fleet,
+    now: float,
+    seq: Callable[[], int],
+) -> bool:
+    """Hand capacity of ``tenant``'s limit to replicas whose requests wait for it, or rebalance it by the fleet's
+    asks; whether anything was handed on."""
+    if fleet.decay(now):
+        return False  # etcd away: nobody could take it
+    wants = {r: w for r, w in fleet.wants(tenant, holding.kind).items() if r not in holding.out}
+    if wants:
+        lend = _lend_rate if holding.rate else _lend_slots
+        if lend(holding, counters, tenant, limit, fleet, now, wants, seq):
+            return True
+    # A replica whose own requests wait keeps what it holds.
+    return holding.explicit and not holding.want and _rebalance(holding, counters, tenant, limit, fleet, now, seq)
+
+
+def _lend_rate(
+    holding: Holding,
+    counters: TenantCounters,
+    tenant: str,
+    limit: int,
+    fleet: Fleet,
+    now: float,
+    wants: dict[str, float],
+    seq: Callable[[], int],
+) -> bool:
+    holding.prepare(fleet, tenant, limit, now)
+    level = holding.level
+    if level <= 0:
+        return False
+    if counters.idle(now):
+        cap = holding.cap  # its client went elsewhere: all of it, as full as it is
+    else:
+        level = min(level - counters.reserve(holding.kind, now), math.fsum(wants.values()))
+        if level < min(1.0, math.fsum(wants.values())):
+            return False
+        cap = level
+    for replica, part in spare_parts(1.0, wants).items():
+        holding.give(replica, cap * part, level * part, seq())
+    return True
+
+
+def _lend_slots(
+    holding: Holding,
+    counters: TenantCounters,
+    tenant: str,
+    limit: int,
+    fleet: Fleet,
+    now: float,
+    wants: dict[str, float],
+    seq: Callable[[], int],
+) -> bool:
+    cap = holding.prepare(fleet, tenant, limit, now)
+    keep = 0.0 if counters.idle(now) else counters.reserve("concurrency", now)
+    spare = int(min(holding.cap, cap) - counters.running - keep + 1e-9)
+    handed = False
+    for replica in sorted(wants):
+        slots = min(spare, math.ceil(wants[replica] - 1e-9))
+        if slots <= 0:
+            break
+        holding.give(replica, float(slots), 0.0, seq())
+        spare -= slots
+        handed = True
+    return handed
+
+
+def _rebalance(
+    holding: Holding,
+    counters: TenantCounters,
+    tenant: str,
+    limit: int,
+    fleet: Fleet,
+    now: float,
+    seq: Callable[[], int],
+) -> bool:
+    mine = counters.asking(holding.kind, now)
+    asks = fleet.asks(tenant, holding.kind)
+    total = math.fsum(asks.values()) + mine
+    if not asks or total <= 0:
+        return False
+    unit = 1.0 if holding.kind != "tpm" else limit / 100
+    excess = holding.cap - limit * mine / total
+    if excess < unit:
+        return False
+    deficits = {}
+    for replica, ask in asks.items():
+        entry = fleet.entry(replica, tenant, holding.kind)
+        part = limit * ask / total
+        if replica not in holding.out and entry is not None and entry.short > 0 and entry.cap < REBALANCE_UNDER * part:
+            deficits[replica] = part - entry.cap
+    if not deficits:
+        return False
+    holding.prepare(fleet, tenant, limit, now)
+    given = min(excess, math.fsum(deficits.values()))
+    if not holding.rate:
+        given = float(int(min(given, holding.cap - counters.running) + 1e-9))
+        if given < 1:
+            return False
+    fill = holding.level / holding.cap if holding.rate and holding.cap > 0 else 0.0
+    for replica, part in spare_parts(given, deficits).items():
+        cap = part if holding.rate else float(round(part))
+        if cap > 0:
+            holding.give(replica, cap, cap * fill, seq())
+    return True
+
+
+def take_from(
+    giver: str, record: Record, me: str, holding_for: Callable[[str, str], Holding | None]
+) -> list[tuple[str, str]]:
+    """Add what ``giver``'s record hands to this replica (each hand-over once); the (tenant, kind) taken."""
+    taken = []
+    for tenant, kinds in record.items():
+        for kind, entry in kinds.items():
+            transfer = entry.to.get(me)
+            if transfer is None:
+                continue
+            holding = holding_for(tenant, kind)
+            if holding is not None and holding.take(giver, transfer):
+                taken.append((tenant, kind))
+    return taken
+
+
+def settle_with(replica: str, fleet: Fleet, tenants: dict[str, TenantCounters], *, gone: bool) -> bool:
+    """Forget the hand-overs to ``replica`` that it acknowledged (all of them when it is ``gone``: the others hold
+    them as what it held), and the acknowledgements of its hand-overs that its record no longer shows; whether
+    anything changed."""
+    me, changed = fleet.me, False
+    for tenant, counters in tenants.items():
+        for kind, holding in counters.holdings.items():
+            entry = None if gone else fleet.entry(replica, tenant, kind)
+            sent = holding.out.get(replica)
+            if sent is not None and (gone or (entry is not None and entry.got.get(me, 0) >= sent.seq)):
+                del holding.out[replica]
+                changed = True
+            if replica in holding.taken and (entry is None or me not in entry.to):
+                del holding.taken[replica]
+                changed = True
+    return changed
