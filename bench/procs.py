@@ -127,8 +127,10 @@ class Server:
         command: Sequence[str] | None = None,
         tls: ssl.SSLContext | None = None,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
-        """``tls``: the server speaks https, checked with this client context."""
+        """``tls``: the server speaks https, checked with this client context; ``cwd``: where it runs (a checkout
+        of another commit: ``python -m`` imports its sources first)."""
         self.name = name
         self.port = port
         self.tls = tls
@@ -142,6 +144,7 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 preexec_fn=die_with_parent,
                 env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+                cwd=cwd,
             )
 
     @property
@@ -218,12 +221,13 @@ class Fleet(contextlib.AbstractContextManager["Fleet"]):
         command: Callable[[int], Sequence[str]] | None = None,
         tls: ssl.SSLContext | None = None,
         env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> Server:
         """Start a server on a free port without waiting for it (servers start in parallel; see wait_ready).
         ``command(port)``, when given, is the whole command line instead of ``python -m module``; ``tls``: it
-        speaks https, checked with this client context."""
+        speaks https, checked with this client context; ``cwd``: the checkout it runs from."""
         port = self.port()
-        server = Server(name, module, port, args, self.log_dir, command(port) if command else None, tls, env)
+        server = Server(name, module, port, args, self.log_dir, command(port) if command else None, tls, env, cwd)
         self.servers.append(server)
         self._ready_paths[server.name] = ready_path
         return server

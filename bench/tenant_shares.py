@@ -1,23 +1,32 @@
 """Tenant limits behind an L4 balancer: what the fleet admits when a tenant's traffic falls unevenly on the replicas,
 against what one replica holding the whole limit admits.
 
-    python -m bench.tenant_shares            # about 4 min; --quick: about 1 min
+    python -m bench.tenant_shares            # about 5 min; --quick: about 1 min
+    python -m bench.tenant_shares --build before=../wt-main --build after=.   # two builds, alternated
     python -m bench.tenant_shares --json
 
-etcd, one simulated mixed node, R replicas (``--replicas``, default 1, 2 and 4: 1 is the reference) sharing one key
-file. Nine tenants run at once for ``--seconds``, each with one limit and one way its traffic falls:
+etcd, one simulated mixed node, R replicas (``--replicas``, default 2 and 4; R = 1 is the reference, run with the
+first build) sharing one key file. One tenant per limit and pattern runs at once for ``--seconds``:
 
 - limits: ``rpm`` (``--rpm``), ``tpm`` (``--tpm``, tokens from the answers' ``usage``), ``concurrency``
   (``--concurrency``, streams of about half a second from that many closed-loop workers and two more; what it was
   admitted is the stream-seconds its requests held slots, as the replicas count them);
-- ``one``: every request through replica 1 (one kept-alive connection, or a balancer hashing by source);
-  ``split``: 90 % through replica 1, 10 % through replica 2; ``moved``: replica 1 for the first half, then 2.
+- patterns: ``one``: every request through replica 1 (one kept-alive connection, or a balancer hashing by
+  source); ``split``: 90 % through replica 1, 10 % through replica 2; ``even``: 50/50; ``moved``: replica 1 for
+  the first half, then replica 2; ``hop``: a new connection every 5 s, to the next replica; ``pause``: half the
+  limit at once through replica 1 (concurrency: 5 s of streams), ``--pause`` s of nothing, then the rest of the
+  run through replica 2;
+  ``burst``: twice the limit at once through replica 1 (a new tenant's first burst), then as ``one``; ``all``: a
+  whole limit at once through every replica at the same moment, then spread evenly (the upper bound).
 
-Rate tenants ask at ``--demand`` times their limit (open loop). For each tenant and R the report gives what was
-admitted over the run against the same tenant with R = 1 (``minute``), the same from 2 s on (``after_2s``), the
-lowest and highest ratio of the running totals from 2 s on (``from_2s``), for concurrency the most requests the
-replicas ran at once (their ``vllm_proxy_tenant_in_flight`` summed, every 0.25 s; at most limit + R - 1), and the
-puts per replica per second (etcd's revision over the run).
+Rate tenants ask at ``--demand`` times their limit (open loop) outside their bursts. For each tenant and R the
+report gives what was admitted over the run against the same tenant with R = 1 (``minute``, and the difference
+in units: requests, tokens, stream-seconds), the same from 2 s on (``after_2s``), the lowest and highest ratio of
+the running totals from 2 s on, how far the running total ever got ahead of the reference (``ahead``, units)
+and past a full bucket and its refill (``past_bucket``: the limit plus a 60th of it a second; at most one
+request's tokens over for tpm, as with one replica), for concurrency the most requests the replicas ran at once
+(their ``vllm_proxy_tenant_in_flight`` summed every 0.25 s), and the puts per replica per second (etcd's
+revision over the run).
 """
 
 from __future__ import annotations
@@ -36,13 +45,13 @@ from bench.procs import Fleet, Server, add_run_flags, code_version, machine, par
 from bench.scale_etcd import etcd_command
 
 MODEL = "sim-model"
-PATTERNS = ("one", "split", "moved")
+PATTERNS = ("one", "split", "even", "moved", "hop", "pause", "burst", "all")
 KINDS = ("rpm", "tpm", "concurrency")
-QUICK = {"seconds": 20.0, "replicas": [1, 2]}
+QUICK = {"seconds": 20.0, "replicas": [2]}
 RETRY = 0.1
 """Seconds a concurrency worker waits after a 429 before it asks again."""
-
-
+HOP = 5.0
+"""Seconds between two connections of a ``hop`` tenant."""
 SAMPLE = 0.25
 """Seconds between two looks at the concurrency tenants' requests in flight on the replicas."""
 
@@ -77,20 +86,33 @@ class Tenant:
     def name(self) -> str:
         return f"{self.kind}-{self.pattern}"
 
-    def replica(self, replicas: int, at: float, index: int, seconds: float) -> int:
-        """Which replica the ``index``-th request, sent ``at`` s into the run, goes through."""
-        if replicas == 1 or self.pattern == "one":
+    def replica(self, replicas: int, at: float, index: int, args: argparse.Namespace) -> int | None:
+        """Which replica the ``index``-th request, sent ``at`` s into the run, goes through (None: none is sent
+        now, the ``pause``)."""
+        pattern, seconds = self.pattern, args.seconds
+        if pattern == "pause":  # rates: half the limit at once first (the burst); concurrency: streams for 5 s
+            first = 5.0 if self.kind == "concurrency" else 0.0
+            if at < first or at >= first + args.pause:
+                return 0 if at < first else min(1, replicas - 1)
+            return None
+        if replicas == 1 or pattern in ("one", "burst"):
             return 0
-        if self.pattern == "split":
+        if pattern == "split":
             return 1 if index % 10 == 9 else 0
-        return 0 if at < seconds / 2 else 1
+        if pattern == "even":
+            return index % 2
+        if pattern == "moved":
+            return 0 if at < seconds / 2 else 1
+        if pattern == "hop":
+            return int(at / HOP) % replicas
+        return index % replicas  # all
 
 
 def key_file(args: argparse.Namespace) -> str:
     limits = {"rpm": args.rpm, "tpm": args.tpm, "concurrency": args.concurrency}
     return "".join(
         f"{t.name}-key tenant={t.name} {t.kind}={limits[t.kind]}\n"
-        for t in (Tenant(k, p) for k in KINDS for p in PATTERNS)
+        for t in (Tenant(k, p) for k in KINDS for p in args.patterns)
     )
 
 
@@ -112,21 +134,43 @@ async def ask(client: httpx.AsyncClient, key: str, body: dict[str, Any], tally: 
         tally.admitted.append((at, 1))
 
 
+def burst_size(tenant: Tenant, args: argparse.Namespace) -> tuple[int, list[int]]:
+    """How many requests a rate tenant sends at once at the start, and through which replicas (one each)."""
+    per_limit = args.rpm if tenant.kind == "rpm" else args.tpm // args.tokens_per_request
+    if tenant.pattern == "burst":
+        return 2 * per_limit, [0]
+    if tenant.pattern == "pause":
+        return per_limit // 2, [0]
+    if tenant.pattern == "all":
+        return per_limit, list(range(args.replica_count))
+    return 0, []
+
+
 async def open_loop(
     tenant: Tenant, clients: list[httpx.AsyncClient], rate: float, args: argparse.Namespace, tally: Tally
 ) -> None:
-    """Requests at ``rate`` a second, evenly spaced, whatever the answers take."""
+    """The tenant's burst at the start, if its pattern has one, then requests at ``rate`` a second, evenly
+    spaced, whatever the answers take."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": args.tokens}
-    started, tasks, index = time.monotonic(), [], 0
+    key, started = f"{tenant.name}-key", time.monotonic()
+    size, through = burst_size(tenant, args)
+    tasks = [
+        asyncio.create_task(ask(clients[replica], key, body, tally, 0.0, tenant.kind))
+        for replica in through
+        if replica < len(clients)
+        for _ in range(size)
+    ]
+    index = 0
     while (at := index / rate) < args.seconds:
         await asyncio.sleep(max(0.0, started + at - time.monotonic()))
-        client = clients[tenant.replica(len(clients), at, index, args.seconds)]
-        tasks.append(asyncio.create_task(ask(client, f"{tenant.name}-key", body, tally, at, tenant.kind)))
+        replica = tenant.replica(len(clients), at, index, args)
+        if replica is not None:
+            tasks.append(asyncio.create_task(ask(clients[replica], key, body, tally, at, tenant.kind)))
         index += 1
     await asyncio.gather(*tasks)
 
 
-async def stream_once(client: httpx.AsyncClient, key: str, tally: Tally, at: float, tokens: int) -> bool:
+async def stream_once(client: httpx.AsyncClient, key: str, tally: Tally, tokens: int) -> bool:
     """One stream held to its end; False when refused."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
     try:
@@ -147,18 +191,28 @@ async def stream_once(client: httpx.AsyncClient, key: str, tally: Tally, at: flo
 
 
 async def closed_loop(tenant: Tenant, clients: list[httpx.AsyncClient], args: argparse.Namespace, tally: Tally) -> None:
-    """``--concurrency`` + 2 workers, each streaming one request after another (a pause after a 429)."""
+    """``--concurrency`` + 2 workers, each streaming one request after another (a pause after a 429); ``burst``
+    starts with twice as many for its first 5 s, ``all`` deals its workers over the replicas."""
     started, key = time.monotonic(), f"Bearer {tenant.name}-key"
+    workers = args.concurrency + 2
 
     async def worker(number: int) -> None:
         index = number
         while (at := time.monotonic() - started) < args.seconds:
-            client = clients[tenant.replica(len(clients), at, index, args.seconds)]
+            if number >= workers and at > 5:
+                return  # the burst's extra workers
+            replica = tenant.replica(len(clients), at, index, args)
+            if tenant.pattern == "all":
+                replica = number % len(clients)
+            if replica is None:
+                await asyncio.sleep(RETRY)
+                continue
             index += 1
-            if not await stream_once(client, key, tally, at, args.stream_tokens):
+            if not await stream_once(clients[replica], key, tally, args.stream_tokens):
                 await asyncio.sleep(RETRY)
 
-    await asyncio.gather(*(worker(n) for n in range(args.concurrency + 2)))
+    count = 2 * workers if tenant.pattern == "burst" else workers
+    await asyncio.gather(*(worker(n) for n in range(count)))
 
 
 IN_FLIGHT = re.compile(rb'^vllm_proxy_tenant_in_flight\{tenant="([^"]+)"\} (\S+)$', re.MULTILINE)
@@ -183,16 +237,16 @@ async def in_flight(urls: list[str], tallies: dict[str, Tally], seconds: float) 
 
 
 async def load(urls: list[str], args: argparse.Namespace) -> dict[str, Tally]:
-    tallies = {Tenant(k, p).name: Tally() for k in KINDS for p in PATTERNS}
+    tallies = {Tenant(k, p).name: Tally() for k in KINDS for p in args.patterns}
     # A client per tenant and replica, each with few connections: httpcore's pool looks at every connection it
     # holds, for each of them, at every request.
-    limits = httpx.Limits(max_connections=32, max_keepalive_connections=16)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
     clients = {name: [httpx.AsyncClient(base_url=url, timeout=60, limits=limits) for url in urls] for name in tallies}
     rates = {"rpm": args.rpm * args.demand / 60, "tpm": args.tpm * args.demand / 60 / args.tokens_per_request}
     try:
         work = []
         for kind in KINDS:
-            for pattern in PATTERNS:
+            for pattern in args.patterns:
                 tenant = Tenant(kind, pattern)
                 mine, tally = clients[tenant.name], tallies[tenant.name]
                 if kind == "concurrency":
@@ -212,8 +266,9 @@ def revision(server: Server) -> int:
     return int(httpx.get(server.url + "/status", timeout=5).json()["discovery"]["revision"])
 
 
-def run_once(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
-    with Fleet(keep_logs=args.logs / f"r{replicas}" if args.logs else None) as fleet:
+def run_once(args: argparse.Namespace, replicas: int, build: str, checkout: Path) -> dict[str, Any]:
+    logs = args.logs / f"{build}-r{replicas}" if args.logs else None
+    with Fleet(keep_logs=logs) as fleet:
         keys = fleet.log_dir / "keys.txt"
         keys.write_text(key_file(args))
         peer = fleet.port()
@@ -226,18 +281,22 @@ def run_once(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         fleet.wait_ready()
         flags = ["--etcd", etcd.url, "--mixed", f"127.0.0.1:{node.port}", "--model", MODEL, "--api-key-file", str(keys)]
         servers = [
-            fleet.start(f"replica{i}", "vllm_etcd_proxy.proxy", [*flags, "--log-level", "warning"], "/ready")
+            fleet.start(
+                f"replica{i}", "vllm_etcd_proxy.proxy", [*flags, "--log-level", "warning"], "/ready", cwd=checkout
+            )
             for i in range(replicas)
         ]
         fleet.wait_ready()
         _wait_counted(servers, replicas)
         first = revision(servers[0])
         started = time.monotonic()
+        args.replica_count = replicas
         tallies = asyncio.run(load([s.url for s in servers], args))
         elapsed = time.monotonic() - started
         puts = (revision(servers[0]) - first) / replicas
     return {
         "replicas": replicas,
+        "build": build,
         "tallies": tallies,
         "puts_per_replica_second": round(puts / elapsed, 2),
         "puts_per_replica": round(puts, 2),
@@ -252,19 +311,25 @@ def _wait_counted(servers: list[Server], replicas: int, timeout: float = 30.0) -
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{server.name} does not see {replicas} replicas")
             time.sleep(0.1)
+    time.sleep(2)  # every record is a second old: as in a fleet that has run a while
 
 
-def compare(tally: Tally, reference: Tally, seconds: float) -> dict[str, Any]:
-    """The tenant's admissions against the reference's (R = 1): over the run, and the running totals from 2 s."""
+def compare(tally: Tally, reference: Tally, seconds: float, limit: int | None) -> dict[str, Any]:
+    """The tenant's admissions against the reference's (R = 1): over the run, and the running totals from 2 s;
+    for rpm and tpm (``limit``), how far the running total ever got past a full bucket and its refill."""
     mine, ref = tally.totals(seconds), reference.totals(seconds)
+    past = None if limit is None else max(m - limit * (1 + (t + 1) / 60) for t, m in enumerate(mine))
     ratios = [m / r for m, r in zip(mine[1:], ref[1:], strict=True) if r]  # index 1: by 2 s
     later, ref_later = mine[-1] - mine[1], ref[-1] - ref[1]
     return {
         "admitted": mine[-1],
         "reference": ref[-1],
         "minute": round(mine[-1] / ref[-1], 3) if ref[-1] else None,
+        "difference": round(mine[-1] - ref[-1], 1),
         "after_2s": round(later / ref_later, 3) if ref_later else None,
         "from_2s": [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
+        "ahead": round(max(m - r for m, r in zip(mine, ref, strict=True)), 1),
+        "past_bucket": None if past is None else round(past, 1),
         "refused": tally.refused,
         "peak_in_flight": tally.peak,
     }
@@ -272,25 +337,37 @@ def compare(tally: Tally, reference: Tally, seconds: float) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started, loadavg = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), Path("/proc/loadavg").read_text().split()[0]
-    counts = sorted(set(args.replicas) | {1})
-    runs = {count: run_once(args, count) for count in counts}
-    reference = runs[1]["tallies"]
-    fleets = {}
-    for count, done in runs.items():
-        tenants = {name: compare(t, reference[name], args.seconds) for name, t in done["tallies"].items()}
-        fleets[str(count)] = {
+    builds: dict[str, Path] = args.build
+    first = next(iter(builds))
+    reference = run_once(args, 1, first, builds[first])["tallies"]
+    runs = []
+    for count in sorted(set(args.replicas) - {1}):
+        for build, checkout in builds.items():  # builds alternate at each fleet size: a noisy minute hits both
+            runs.append(run_once(args, count, build, checkout))
+    fleets, limits = {}, {"rpm": args.rpm, "tpm": args.tpm}
+    for done in runs:
+        tenants = {
+            name: compare(t, reference[name], args.seconds, limits.get(name.split("-")[0]))
+            for name, t in done["tallies"].items()
+        }
+        fleets[f"{done['build']}/{done['replicas']}"] = {
+            "build": done["build"],
+            "replicas": done["replicas"],
             "puts_per_replica_second": done["puts_per_replica_second"],
             "puts_per_replica": done["puts_per_replica"],
             "seconds": done["seconds"],
             "tenants": tenants,
         }
-    failed = sum(t.failed for done in runs.values() for t in done["tallies"].values())
+    failed = sum(t.failed for done in runs for t in done["tallies"].values())
+    config = {k: v for k, v in vars(args).items() if k not in ("logs", "save", "json", "quick", "replica_count")}
+    config["build"] = {name: str(path) for name, path in builds.items()}
     return {
         "ok": failed == 0,
         "failed": failed,
         "code": code_version(),
         "machine": machine(started, loadavg),
-        "config": {k: v for k, v in vars(args).items() if k not in ("logs", "save", "json", "quick")},
+        "config": config,
+        "reference": {name: t.totals(args.seconds)[-1] for name, t in reference.items()},
         "fleets": fleets,
     }
 
@@ -301,42 +378,50 @@ def render(report: dict[str, Any]) -> str:
         f"rpm={c['rpm']}, tpm={c['tpm']}, concurrency={c['concurrency']}; rate tenants ask {c['demand']}x their "
         f"limit; {c['seconds']} s a run; code {report['code']}",
         "",
-        "| R | tenant | admitted | R=1 | over the run | after 2 s | running totals from 2 s (min, max) "
-        "| peak in flight | puts / replica / s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| build | R | tenant | admitted | R=1 | over the run | difference | after 2 s "
+        "| running totals from 2 s (min, max) | most ahead | past a bucket | peak in flight | puts / replica / s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for count, fleet in report["fleets"].items():
+    for fleet in report["fleets"].values():
         for name, t in fleet["tenants"].items():
             peak = t["peak_in_flight"] if name.startswith("concurrency") else ""
             spread = "" if t["from_2s"] is None else f"{t['from_2s'][0]}, {t['from_2s'][1]}"
             lines.append(
-                f"| {count} | {name} | {t['admitted']:.0f} | {t['reference']:.0f} | {t['minute']} | {t['after_2s']} "
-                f"| {spread} | {peak} "
+                f"| {fleet['build']} | {fleet['replicas']} | {name} | {t['admitted']:.0f} | {t['reference']:.0f} "
+                f"| {t['minute']} | {t['difference']} | {t['after_2s']} | {spread} | {t['ahead']} "
+                f"| {'' if t['past_bucket'] is None else t['past_bucket']} | {peak} "
                 f"| {fleet['puts_per_replica_second']} |"
             )
     return "\n".join(lines)
 
 
+def _build(spec: str) -> tuple[str, Path]:
+    name, sep, checkout = spec.partition("=")
+    path = Path(checkout).resolve()
+    if not sep or not name or not (path / "vllm_etcd_proxy").is_dir():
+        raise argparse.ArgumentTypeError(f"{spec!r}: not NAME=CHECKOUT with CHECKOUT holding vllm_etcd_proxy/")
+    return name, path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tenant_shares", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--replicas", type=int, nargs="+", default=[1, 2, 4], help="fleet sizes to run (1 is always run)")
+    add("--replicas", type=int, nargs="+", default=[2, 4], help="fleet sizes to run (R = 1 always runs first)")
     add("--seconds", type=float, default=60.0, help="seconds of load per fleet (default 60)")
-    add("--rpm", type=int, default=120, help="the rpm tenants' limit (default 120)")
-    add("--tpm", type=int, default=6000, help="the tpm tenants' limit (default 6000)")
-    add(
-        "--concurrency",
-        type=int,
-        default=10,
-        help="the concurrency tenants' limit (default 10: a 90/10 split rounds to 9 + 1, no slot more)",
-    )
-    add("--demand", type=float, default=4.0, help="rate tenants ask this many times their limit (default 4)")
+    add("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS), help="the tenants' patterns (all)")
+    add("--build", type=_build, action="append", help="NAME=CHECKOUT to run the replicas from (default: this one)")
+    add("--rpm", type=int, default=60, help="the rpm tenants' limit (default 60)")
+    add("--tpm", type=int, default=3000, help="the tpm tenants' limit (default 3000)")
+    add("--concurrency", type=int, default=10, help="the concurrency tenants' limit (default 10)")
+    add("--demand", type=float, default=2.0, help="rate tenants ask this many times their limit (default 2)")
+    add("--pause", type=float, default=8.0, help="seconds a pause tenant asks nothing (default 8)")
     add("--tokens", type=int, default=16, help="max_tokens of the rate tenants' requests (default 16)")
     add("--tokens-per-request", type=int, default=30, help="tokens a tpm request costs, for its rate (default 30)")
     add("--stream-tokens", type=int, default=50, help="tokens of a concurrency tenant's stream (default 50)")
     add("--itl", type=float, default=0.01, help="the node's seconds between tokens (default 0.01)")
     add_run_flags(parser, QUICK, "short runs, R = 1 and 2")
     args = parse_quick(parser, argv, QUICK)
+    args.build = dict(args.build or [("this", Path(".").resolve())])
     return report_and_exit_status(lambda: run(args), render, as_json=args.json, save=args.save)
 
 

@@ -7,14 +7,15 @@ from tests.support.bench import run_bench
 
 
 def test_the_tenant_shares_bench_reports_every_tenant_against_one_replica() -> None:
-    report = run_bench("bench.tenant_shares", "--seconds", "4", "--replicas", "2", timeout=180)
+    report = run_bench(
+        "bench.tenant_shares", "--seconds", "4", "--replicas", "2", "--pause", "1", "--build", "now=.", timeout=180
+    )
     assert report["ok"] is True and report["failed"] == 0
-    assert set(report["fleets"]) == {"1", "2"}
-    for fleet in report["fleets"].values():
-        # At most one put a second per replica: over a short run, one more than its seconds (a put at each end).
-        assert len(fleet["tenants"]) == 9 and 0 < fleet["puts_per_replica"] <= fleet["seconds"] + 1
-        for name, tenant in fleet["tenants"].items():
-            assert tenant["admitted"] > 0 and tenant["minute"] is not None, name
-    reference = report["fleets"]["1"]["tenants"]
-    assert all(t["minute"] == 1.0 for t in reference.values())
-    assert report["fleets"]["2"]["tenants"]["concurrency-one"]["peak_in_flight"] <= 10 + 2 - 1
+    assert set(report["fleets"]) == {"now/2"}
+    fleet = report["fleets"]["now/2"]
+    # At most one put a second per replica: over a short run, one more than its seconds (a put at each end).
+    assert len(fleet["tenants"]) == 3 * 8 and 0 < fleet["puts_per_replica"] <= fleet["seconds"] + 1
+    for name, tenant in fleet["tenants"].items():
+        assert tenant["admitted"] > 0 and tenant["minute"] is not None, name
+    assert all(report["reference"][name] > 0 for name in fleet["tenants"])
+    assert fleet["tenants"]["concurrency-all"]["peak_in_flight"] <= 10

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ from vllm_etcd_proxy.proxy.tenancy.metrics import OPEN, TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue
 from vllm_etcd_proxy.proxy.tenancy.record import Record
 from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
+
+log = logging.getLogger(__name__)
 
 HOLD_MAX = 3.0
 """Seconds a request may wait for capacity that another replica's record says it could hand over (a record is
@@ -260,10 +263,22 @@ class Tenancy:
         holding = counters.holding(kind)
         if not holding.explicit and self.fleet.unheld_share(tenant, kind, limit, now) <= 0:
             return False  # nothing to hand on: no entry needed
-        before = len(holding.out)
-        if not hand_on(holding, counters, tenant, limit, self.fleet, now, lambda: next(self._seq)):
+        before = dict(holding.out)
+        why = hand_on(holding, counters, tenant, limit, self.fleet, now, lambda: next(self._seq))
+        if not why:
             return False
-        self.metrics.child(self.metrics.handovers, tenant, kind, "given").inc(max(1, len(holding.out) - before))
+        for taker, transfer in holding.out.items():
+            if before.get(taker) != transfer:
+                self.metrics.child(self.metrics.handovers, tenant, kind, "given").inc()
+                log.debug(
+                    "handed over tenant=%s limit=%s to=%s cap=%.6g level=%.6g why=%s",
+                    tenant,
+                    kind,
+                    taker,
+                    transfer.cap,
+                    transfer.level,
+                    why,
+                )
         return True
 
     def view_changed(self, replica: str | None) -> None:

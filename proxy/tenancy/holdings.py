@@ -32,7 +32,11 @@ STEADY = 1.25
 """A published ask changes when the measured one is more than this factor away from it."""
 IDLE = 1.0
 """Seconds without a request of the tenant after which this replica hands everything it holds of it to replicas
-whose requests wait for capacity (its client went elsewhere)."""
+whose requests wait for capacity (its client went elsewhere): at least this, and ``IDLE_GAPS`` of the tenant's
+usual gaps between requests here."""
+IDLE_GAPS = 3.0
+GAP_WEIGHT = 0.3
+"""Weight of the latest gap in the moving average of the gaps between the tenant's requests here."""
 HORIZON = 2.0
 """A busy replica keeps what its own requests would take in this many seconds, and hands on the rest."""
 KEEP = 60.0
@@ -169,7 +173,7 @@ class Holding:
 
     def inherit_unheld(self, fleet: Fleet, tenant: str, limit: int, now: float) -> bool:
         """Take what no record holds (this replica is its heir, shares.py), full; whether there was any."""
-        left = limit - fleet.held_elsewhere(tenant, self.kind, now) - self.cap
+        left = limit - fleet.held_elsewhere(tenant, self.kind, now, self.taken) - self.cap
         left -= math.fsum(t.cap for t in self.out.values())
         if not self.rate:
             left = float(int(left + 1e-9))
@@ -229,6 +233,7 @@ class TenantCounters:
         "asked_tokens",
         "wanted",
         "refused",
+        "gap",
         "held",
         "published",
         "published_short",
@@ -243,6 +248,8 @@ class TenantCounters:
         self.wanted = Decaying()
         self.refused = {kind: Decaying() for kind in ("rpm", "tpm", "concurrency")}
         """What was refused here for want of capacity, by limit (a rate per second)."""
+        self.gap = 0.0
+        """The usual gap between the tenant's requests here (seconds, a moving average; 0: none yet)."""
         self.held = 0.0
         """How long its requests held a concurrency slot here lately (seconds, a moving average; 0: none yet)."""
         self.published = {kind: Steady() for kind in ("rpm", "tpm", "concurrency")}
@@ -257,6 +264,9 @@ class TenantCounters:
 
     def ask(self, limits: Limits, estimate: int, now: float) -> None:
         """A request arrived: it counts as asked whether it is admitted or not."""
+        if self.last_ask > -math.inf:
+            gap = now - self.last_ask
+            self.gap = gap if not self.gap else self.gap + GAP_WEIGHT * (gap - self.gap)
         self.last_ask = now
         if limits.rpm or limits.concurrency:
             self.asked.add(1, now)
@@ -274,8 +284,10 @@ class TenantCounters:
         return [kind for kind, holding in self.holdings.items() if holding.explicit]
 
     def idle(self, now: float) -> bool:
-        """Nothing asked for ``IDLE`` s and nothing waiting: its client went elsewhere (or went quiet)."""
-        return now - self.last_ask > IDLE and not any(h.want for h in self.holdings.values())
+        """Nothing asked for ``IDLE`` s and three of its usual gaps, nothing waiting: its client went elsewhere
+        (or went quiet)."""
+        quiet = max(IDLE, IDLE_GAPS * self.gap)
+        return now - self.last_ask > quiet and not any(h.want for h in self.holdings.values())
 
     def concurrency_demand(self, now: float) -> float:
         """Requests it would have in flight here if nothing refused them: what it asks a second times how long a
@@ -291,15 +303,12 @@ class TenantCounters:
         return self.concurrency_demand(now)
 
     def reserve(self, kind: str, now: float) -> float:
-        """What a busy replica keeps for its own next requests: their units over ``HORIZON`` s (rates), the slots
-        it wants beyond those running (concurrency)."""
-        if kind == "concurrency":
-            return max(0.0, math.ceil(self.concurrency_demand(now) - 1e-9) - self.running)
+        """What a busy replica keeps of a rate limit for its own next requests: their units over ``HORIZON`` s."""
         return self.asking(kind, now) / WINDOW * HORIZON
 
     def report(self, limits: Limits, now: float) -> dict[str, Entry]:
         """The tenant's entries in this replica's record: its explicit holdings."""
-        out, idle = {}, now - self.last_ask > IDLE  # an idle replica asks nothing (its client went elsewhere)
+        out, idle = {}, self.idle(now)  # an idle replica asks nothing (its client went elsewhere)
         for kind, holding in self.holdings.items():
             if holding.explicit and getattr(limits, kind):
                 ask = self.published[kind].follow(0.0 if idle else self.asking(kind, now))

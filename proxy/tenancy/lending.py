@@ -6,8 +6,10 @@ hold more than the limit together.
 - **Whom a replica hands to.** Replicas whose records want capacity of the limit, in proportion to what each
   wants, one hand-over to each at a time (the next once it acknowledged the last).
 - **What.** An idle replica (nothing asked here for ``IDLE`` s, nothing waiting: its client went elsewhere) hands
-  on everything it holds of the limit, its bucket's level with it. A busy one hands on what its bucket holds beyond
-  what its own requests would take in ``HORIZON`` s (free slots beyond those it wants, for concurrency).
+  on everything it holds of the limit, its bucket's level with it; one whose bucket is full does so as soon as the
+  tenant asks another replica, waiting or not (a full bucket's refill is lost). A busy one hands on what its
+  bucket holds beyond what its own requests would take in ``HORIZON`` s; for concurrency, the free slots its own
+  waiting requests do not need.
 - **Rebalancing.** Otherwise, a replica that holds more than its part of the fleet's asks hands the excess to
   replicas that refused requests lately and hold less than half of their part, its bucket's fill with it: a
   tenant's refill follows where it asks, as one bucket's first-come first-served would give it.
@@ -33,18 +35,22 @@ def hand_on(
     fleet: Fleet,
     now: float,
     seq: Callable[[], int],
-) -> bool:
+) -> str:
     """Hand capacity of ``tenant``'s limit to replicas whose requests wait for it, or rebalance it by the fleet's
-    asks; whether anything was handed on."""
-    if fleet.decay(now):
-        return False  # etcd away: nobody could take it
+    asks; why anything was handed on ("" when nothing was)."""
+    if fleet.decay(now) or (holding.explicit and holding.cap < limit * 1e-6):
+        return ""  # etcd away: nobody could take it; or nothing worth handing
     wants = {r: w for r, w in fleet.wants(tenant, holding.kind).items() if r not in holding.out}
     if wants:
         lend = _lend_rate if holding.rate else _lend_slots
         if lend(holding, counters, tenant, limit, fleet, now, wants, seq):
-            return True
+            return "wanted"
+    elif holding.rate and counters.idle(now) and _hand_full(holding, counters, tenant, limit, fleet, now, seq):
+        return "full"
     # A replica whose own requests wait keeps what it holds.
-    return holding.explicit and not holding.want and _rebalance(holding, counters, tenant, limit, fleet, now, seq)
+    if holding.explicit and not holding.want and _rebalance(holding, counters, tenant, limit, fleet, now, seq):
+        return "rebalanced"
+    return ""
 
 
 def _lend_rate(
@@ -64,12 +70,43 @@ def _lend_rate(
     if counters.idle(now):
         cap = holding.cap  # its client went elsewhere: all of it, as full as it is
     else:
-        level = min(level - counters.reserve(holding.kind, now), math.fsum(wants.values()))
-        if level < min(1.0, math.fsum(wants.values())):
+        # What the waiting requests want, in proportion to what this replica could spare of what every replica
+        # whose record shows some could (each of them hands its own part: the want is not met twice over).
+        spare = level - counters.reserve(holding.kind, now)
+        if spare <= 0:
             return False
-        cap = level
+        others = math.fsum(max(0.0, e.spare) for r in fleet.others() if (e := fleet.entry(r, tenant, holding.kind)))
+        want = math.fsum(wants.values())
+        if spare + others < min(1.0, want):
+            return False  # all of them together could not admit one of the waiting requests
+        level = cap = min(spare, want * spare / (spare + others))
+        if level < limit * 1e-9:
+            return False
     for replica, part in spare_parts(1.0, wants).items():
         holding.give(replica, cap * part, level * part, seq())
+    return True
+
+
+def _hand_full(
+    holding: Holding,
+    counters: TenantCounters,
+    tenant: str,
+    limit: int,
+    fleet: Fleet,
+    now: float,
+    seq: Callable[[], int],
+) -> bool:
+    """An idle replica whose bucket is full hands it to the replicas the tenant asks now (in proportion to their
+    asks): a full bucket's refill is lost, and theirs are spending."""
+    asks = {r: a for r, a in fleet.asks(tenant, holding.kind).items() if r not in holding.out}
+    if not asks:
+        return False
+    cap = holding.prepare(fleet, tenant, limit, now)
+    if cap <= 0 or holding.level < cap - 1e-9:
+        return False
+    whole, level = holding.cap, holding.level
+    for replica, part in spare_parts(1.0, asks).items():
+        holding.give(replica, whole * part, level * part, seq())
     return True
 
 
@@ -84,8 +121,9 @@ def _lend_slots(
     seq: Callable[[], int],
 ) -> bool:
     cap = holding.prepare(fleet, tenant, limit, now)
-    keep = 0.0 if counters.idle(now) else counters.reserve("concurrency", now)
-    spare = int(min(holding.cap, cap) - counters.running - keep + 1e-9)
+    # A free slot goes to a request that waits for one, first come first served: this replica's own waiting
+    # requests first, then the others'. (A slot kept for a request that may come is a slot a waiting one lacks.)
+    spare = int(min(holding.cap, cap) - counters.running - math.ceil(holding.want - 1e-9) + 1e-9)
     handed = False
     for replica in sorted(wants):
         slots = min(spare, math.ceil(wants[replica] - 1e-9))
@@ -106,7 +144,7 @@ def _rebalance(
     now: float,
     seq: Callable[[], int],
 ) -> bool:
-    mine = counters.asking(holding.kind, now)
+    mine = counters.published[holding.kind].value  # what the others see this replica ask
     asks = fleet.asks(tenant, holding.kind)
     total = math.fsum(asks.values()) + mine
     if not asks or total <= 0:
@@ -115,16 +153,13 @@ def _rebalance(
     excess = holding.cap - limit * mine / total
     if excess < unit:
         return False
-    deficits = {}
-    for replica, ask in asks.items():
-        entry = fleet.entry(replica, tenant, holding.kind)
-        part = limit * ask / total
-        if replica not in holding.out and entry is not None and entry.short > 0 and entry.cap < REBALANCE_UNDER * part:
-            deficits[replica] = part - entry.cap
+    deficits, excesses = _parts(holding, tenant, limit, fleet, asks, total)
+    excesses.append(excess)
     if not deficits:
         return False
     holding.prepare(fleet, tenant, limit, now)
-    given = min(excess, math.fsum(deficits.values()))
+    # Every replica over its part gives its share of the deficit: together they fill it once.
+    given = min(excess, math.fsum(deficits.values()) * excess / math.fsum(excesses))
     if not holding.rate:
         given = float(int(min(given, holding.cap - counters.running) + 1e-9))
         if given < 1:
@@ -135,6 +170,24 @@ def _rebalance(
         if cap > 0:
             holding.give(replica, cap, cap * fill, seq())
     return True
+
+
+def _parts(
+    holding: Holding, tenant: str, limit: int, fleet: Fleet, asks: dict[str, float], total: float
+) -> tuple[dict[str, float], list[float]]:
+    """By the other replicas' records: what those that refused requests lately lack of their part of the fleet's
+    asks (those holding less than half of it), and how much the rest hold beyond theirs."""
+    deficits, excesses = {}, []
+    for replica, ask in asks.items():
+        entry = fleet.entry(replica, tenant, holding.kind)
+        if entry is None:
+            continue
+        part = limit * ask / total
+        if replica not in holding.out and entry.short > 0 and entry.cap < REBALANCE_UNDER * part:
+            deficits[replica] = part - entry.cap
+        else:
+            excesses.append(max(0.0, entry.cap - part))
+    return deficits, excesses
 
 
 def take_from(

@@ -112,7 +112,7 @@ class Shortfall:
         holding = self.counters.holding(missing.kind)
         mine = holding.cap + math.fsum(t.cap for t in holding.out.values())
         limit: int = getattr(self.limits, missing.kind)
-        return self.fleet.available(self.limits.tenant, missing.kind, limit, mine, now)
+        return self.fleet.available(self.limits.tenant, missing.kind, limit, mine, now, holding.taken)
 
     def wait(self, sign: int) -> None:
         """Add (1) or take back (-1) what the request wants while it waits."""

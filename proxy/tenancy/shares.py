@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from vllm_etcd_proxy.proxy.tenancy.record import KINDS, Entry
 from vllm_etcd_proxy.proxy.tenancy.replicas import SETTLED, ReplicaView
 
 __all__ = ["KINDS", "Fleet"]
+
+_NOTHING: Mapping[str, int] = {}
 
 
 class Fleet:
@@ -67,11 +69,11 @@ class Fleet:
     def entry(self, replica: str, tenant: str, kind: str) -> Entry | None:
         return self.view.entry(replica, tenant, kind)
 
-    def held_elsewhere(self, tenant: str, kind: str, now: float) -> float:
+    def held_elsewhere(self, tenant: str, kind: str, now: float, taken: Mapping[str, int] = _NOTHING) -> float:
         """What the other replicas hold of the limit by their records: their caps, what they handed on that its
-        taker's record does not acknowledge yet (this replica's too: until its record says so, it may not have
-        taken it), and what replicas that left held and no live one took yet."""
-        view = self.view
+        taker has not acknowledged (or, handed to this replica, not taken: ``taken`` has the sequence of the last
+        hand-over it took from each), and what replicas that left held and no live one took yet."""
+        view, me = self.view, self.me
         held = view.reserved(tenant, kind, now)
         for replica in self.others():
             entry = view.entry(replica, tenant, kind)
@@ -79,6 +81,9 @@ class Fleet:
                 continue
             held += entry.cap
             for taker, transfer in entry.to.items():
+                if taker == me:
+                    held += transfer.cap if taken.get(replica, 0) < transfer.seq else 0.0
+                    continue
                 got = view.entry(taker, tenant, kind)
                 if got is None or got.got.get(replica, 0) < transfer.seq:
                     held += transfer.cap
@@ -105,10 +110,13 @@ class Fleet:
             return False  # --workers without etcd: the others hold their parts unseen
         return all(view.entry(r, tenant, kind) is not None for r in self.others()) and view.members()[0] == self.me
 
-    def available(self, tenant: str, kind: str, limit: int, mine: float, now: float) -> float:
+    def available(
+        self, tenant: str, kind: str, limit: int, mine: float, now: float, taken: Mapping[str, int] = _NOTHING
+    ) -> float:
         """What the other replicas could hand this one by their records: what their buckets hold (free slots for
         concurrency), and the part of what no record holds that is theirs; ``mine``: what this replica holds or
-        handed on unacknowledged. Replicas without records (``--workers`` without etcd) hand nothing."""
+        handed on unacknowledged, ``taken``: what it took (``held_elsewhere``). Replicas without records
+        (``--workers`` without etcd) hand nothing."""
         view, total, implicit = self.view, 0.0, 0
         for replica in self.others():
             entry = view.entry(replica, tenant, kind)
@@ -118,7 +126,7 @@ class Fleet:
                 total += max(0.0, entry.spare)
         if implicit:
             unseen = self.count - len(view.members())
-            left = max(0.0, limit - self.held_elsewhere(tenant, kind, now) - mine)
+            left = max(0.0, limit - self.held_elsewhere(tenant, kind, now, taken) - mine)
             total += left * implicit / (implicit + unseen)
         return total
 
