@@ -197,14 +197,14 @@ class Tenancy:
         left: asyncio.Future[Message] | None = None
         try:
             while not isinstance(outcome, Grant):
-                if not outcome.waitable or now >= min(deadline, outcome.until):
+                if not outcome.waitable or now >= deadline:
                     refusal = outcome.refusal(now)
                     metrics.child(metrics.rejections, limits.tenant, _KINDS.get(refusal.type, refusal.type)).inc()
                     if waited:
                         metrics.child(metrics.held, limits.tenant, "refused").inc()
                     raise refusal
                 waited = True
-                left = await self._wait(outcome, receive, left, min(deadline, outcome.until) - now)
+                left = await self._wait(outcome, receive, left, deadline - now)
                 now = fleet.view.clock()
                 outcome = attempt(counters, limits, fleet, estimate, now)
         finally:

@@ -93,20 +93,15 @@ class Shortfall:
     """A request this replica cannot admit now: what it misses of each limit, and whether the other replicas'
     records say they could hand it over (``waitable``)."""
 
-    __slots__ = ("counters", "limits", "fleet", "missing", "waitable", "until")
+    __slots__ = ("counters", "limits", "fleet", "missing", "waitable")
 
     def __init__(self, counters: TenantCounters, limits: Limits, fleet: Fleet, missing: list[Missing], now: float):
         self.counters, self.limits, self.fleet, self.missing = counters, limits, fleet, missing
-        self.until = math.inf
-        """When waiting stops being worth it even if nothing changes (streams elsewhere that may have ended)."""
-        self.waitable = True
-        for m in missing:
-            if self._could_come(m, now) >= m.least:
-                continue
-            freeing = fleet.freeing(limits.tenant, m.kind, now) if m.kind == "concurrency" else -math.inf
-            if freeing == -math.inf:
-                self.waitable = False
-            self.until = min(self.until, freeing)
+        self.waitable = all(self._could_come(m, now) >= m.least or self._may_free(m) for m in missing)
+
+    def _may_free(self, missing: Missing) -> bool:
+        """A slot another replica holds may be handed over when one of its requests ends."""
+        return missing.kind == "concurrency" and self.fleet.running_elsewhere(self.limits.tenant, missing.kind)
 
     def _could_come(self, missing: Missing, now: float) -> float:
         holding = self.counters.holding(missing.kind)

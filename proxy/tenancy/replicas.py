@@ -33,9 +33,6 @@ REPLICA_TTL = 10
 """Seconds a dead replica's key outlives it: the longest time its demand still counts."""
 PUBLISH_INTERVAL = 1.0
 """Seconds between two puts of this replica's record, at least."""
-SETTLED = PUBLISH_INTERVAL + 0.25
-"""Seconds after which a record that did not change says what its replica holds now: a change is put within a
-second of the last put and watched within a quarter of a second (on a healthy etcd: milliseconds)."""
 REVOKE_TIMEOUT = 3.0
 RETRY_MAX = 2.0
 
@@ -73,7 +70,6 @@ class ReplicaView:
         self.clock = clock
         """The time every part of the shares reads (a test's own clock)."""
         self._records: dict[str, Record] = {}
-        self._arrived: dict[str, float] = {}
         self._reserved: dict[tuple[str, str], list[Reservation]] = {}
         """What replicas that left held, by (tenant, kind)."""
         self._least = least
@@ -97,10 +93,6 @@ class ReplicaView:
 
     def seen(self, replica: str) -> bool:
         return replica in self._records
-
-    def arrived(self, replica: str) -> float:
-        """When ``replica``'s record (as it is now) arrived (monotonic seconds)."""
-        return self._arrived.get(replica, -math.inf)
 
     def tenants(self) -> set[str]:
         """Every tenant some replica published."""
@@ -137,7 +129,6 @@ class ReplicaView:
 
     def _read(self, name: str, value: bytes) -> str | None:
         """Store ``name``'s record; the reason when it is invalid (the replica then counts, holding nothing)."""
-        self._arrived[name] = self.clock()
         try:
             self._records[name] = decode(value)
         except InvalidRecord as exc:
@@ -149,7 +140,6 @@ class ReplicaView:
         """``name``'s key is gone: what it held, and what was handed to it or by it unacknowledged, goes to its heir
         (the first live replica in the order all agree on), as spent; the others count it as held until then."""
         record = self._records.pop(name, None) or {}
-        self._arrived.pop(name, None)
         now = self.clock()
         held: dict[tuple[str, str], float] = {}
         fills: dict[tuple[str, str], float] = {}

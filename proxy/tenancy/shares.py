@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from vllm_etcd_proxy.proxy.tenancy.record import KINDS, Entry
-from vllm_etcd_proxy.proxy.tenancy.replicas import SETTLED, ReplicaView
+from vllm_etcd_proxy.proxy.tenancy.replicas import ReplicaView
 
 __all__ = ["KINDS", "Fleet"]
 
@@ -130,15 +130,15 @@ class Fleet:
             total += left * implicit / (implicit + unseen)
         return total
 
-    def freeing(self, tenant: str, kind: str, now: float) -> float:
-        """Until when a replica whose record says its slots are taken may have freed some since: the latest time its
-        record, put within the last second, may still be followed by one that says so (-inf: none may)."""
-        view, until = self.view, -math.inf
+    def running_elsewhere(self, tenant: str, kind: str) -> bool:
+        """Whether another replica's record shows requests of the tenant running in slots it holds: one may end,
+        and its slot be handed over, any moment."""
+        view = self.view
         for replica in self.others():
             entry = view.entry(replica, tenant, kind)
             if entry is not None and entry.running and entry.cap > 0:
-                until = max(until, view.arrived(replica) + SETTLED)
-        return until if until > now else -math.inf
+                return True
+        return False
 
     def wants(self, tenant: str, kind: str) -> dict[str, float]:
         """What the other replicas' waiting requests need of the limit, by replica (only those that need some)."""
@@ -163,9 +163,10 @@ class Fleet:
         return math.fsum(self.asks(tenant, kind).values()) + mine
 
     def wanted(self) -> set[tuple[str, str]]:
-        """(tenant, kind) that some other replica's waiting requests need."""
+        """(tenant, kind) that some other replica's waiting requests need, or that some other replica is asked:
+        what this replica may have to hand over."""
         out: set[tuple[str, str]] = set()
         for replica in self.others():
             for tenant, kinds in self.view.record(replica).items():
-                out.update((tenant, kind) for kind, entry in kinds.items() if entry.want > 0)
+                out.update((tenant, kind) for kind, entry in kinds.items() if entry.want > 0 or entry.ask > 0)
         return out

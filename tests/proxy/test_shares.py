@@ -257,12 +257,16 @@ def test_concurrency_slots_are_handed_whole_and_the_fleet_runs_no_more_than_the_
     assert fleet.held("conc", "concurrency") == 4
 
 
-def test_a_replica_whose_lease_was_lost_holds_nothing() -> None:
+def test_a_replica_whose_lease_was_lost_holds_nothing_and_the_fleet_no_more() -> None:
     fleet = Replicas(2)
     fleet.ask(0, "rate-key", 10)
-    fleet.tenancies[0].lost()  # the others took back what its record held
+    fleet.publish()  # r0 holds the whole 600: r1 handed its full part to where the tenant asks
+    assert fleet.holds(0, "rate") == pytest.approx(600)
+    fleet.tenancies[1].fleet.view.delete("r0")  # r0 was cut off: its key expired, and r1 is its heir
+    fleet.tenancies[0].lost()  # r0 learns it when its keepalive fails, and puts its record again
     fleet.publish()
-    assert fleet.holds(0, "rate") == 0
+    assert fleet.holds(0, "rate") == 0 and fleet.holds(1, "rate") == pytest.approx(600)
+    assert fleet.ask(1, "rate-key", 1) == [], "what r0 held counts as spent"
 
 
 def test_a_full_idle_holding_is_dropped_and_its_part_is_even_again() -> None:

@@ -26,6 +26,7 @@ three-key tenant=three rpm=60
 tokens-key tenant=tokens tpm=1000
 conc-key tenant=conc concurrency=3
 hold-key tenant=hold rpm=60
+first-key tenant=first rpm=6
 """
 
 
@@ -175,6 +176,19 @@ def test_one_connection_through_one_replica_gets_the_whole_rpm(replicas: list[Pr
     assert metric(a, "vllm_proxy_tenant_fleet_demand", tenant="one", limit="rpm") > 30
     status = a.status()["replicas"]
     assert status["count"] == 2 and status["me"] in status["seen"] and status["shares"] == "fresh"
+
+
+def test_a_new_tenants_first_burst_through_one_replica_of_two_gets_the_whole_rpm(replicas: list[ProxyProc]) -> None:
+    a, b = replicas
+    client = Client(b, "first-key")
+    started = time.monotonic()
+    try:
+        statuses = [client.ask().status_code for _ in range(8)]
+    finally:
+        client.close()
+    # rpm=6, nothing asked before: b holds 3 and is handed a's 3 while its fourth request waits; the seventh is 429.
+    assert statuses == [200] * 6 + [429] * 2
+    assert admitted(replicas, "first") <= 6 + (time.monotonic() - started) * 6 / 60 + 1
 
 
 def test_one_connection_through_one_replica_gets_the_whole_tpm(replicas: list[ProxyProc]) -> None:
