@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
-from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, UpstreamFailed, sse_error_event
+from vllm_etcd_proxy.proxy.errors import ProxyError, UpstreamFailed, sse_error_event
 from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Upstream, client_headers
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
@@ -70,9 +70,8 @@ class Relay:
             await request.refuse(exc)
             return
         if isinstance(answer, ErrorAnswer):
-            request.status = answer.status
             headers = [*answer.headers, (b"content-length", str(len(answer.body)).encode())]
-            await request.send({"type": "http.response.start", "status": answer.status, "headers": headers})
+            await request.respond(answer.status, headers)
             await request.send_last(answer.body)
             return
         request.status = answer.status
@@ -86,7 +85,7 @@ class Relay:
         headers = client_headers(upstream.headers)
         if not any(k.lower() == b"x-request-id" for k, _ in headers):
             headers.append((b"x-request-id", request.request_id.encode("latin-1", "replace")))
-        await request.send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+        await request.respond(upstream.status, headers)
 
     async def _relay(self, request: ProxyRequest, upstream: Upstream) -> None:
         """Each chunk to the client as it comes; except that an answer that is not a stream keeps its latest
@@ -115,7 +114,7 @@ class Relay:
                     chunk = await read()
             except ProxyError as exc:
                 outcome = "broken"
-                await self._broken(request, exc, streamed)
+                await request.broken(exc)
                 return
             self._metrics.chunks(chunks)
             if request.tally is not None:
@@ -125,15 +124,6 @@ class Relay:
             outcome = "ok"
         finally:
             upstream.close(outcome)
-
-    @staticmethod
-    async def _broken(request: ProxyRequest, exc: ProxyError, event_stream: bool) -> None:
-        """Bytes already reached the client: no retry; tell a stream reader why it ends."""
-        log.warning("stream broken request_id=%s error=%s", request.request_id, exc.message)
-        if event_stream:
-            await request.send_last(sse_error_event(exc, anthropic=request.route == ANTHROPIC_ROUTE))
-        # Otherwise leave the response unfinished: the server then drops the connection, so the client sees a
-        # truncated answer as an error instead of a complete-looking, cut-off JSON body.
 
     def _first_byte(self, request: ProxyRequest, upstream: Upstream) -> None:
         now = self._metrics.first_byte(request.route, request.mode, request.started)

@@ -9,12 +9,13 @@ object lives for one request and is never shared between tasks.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, render
+from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, render, sse_error_event
 from vllm_etcd_proxy.proxy.serving.routes import Kind
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
 from vllm_etcd_proxy.proxy.telemetry.spans import NO_TRACE, RequestTrace
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from vllm_etcd_proxy.proxy.serving.parsing import ClientRequest
     from vllm_etcd_proxy.proxy.tenancy.keys import Limits
 
+
+log = logging.getLogger(__name__)
 
 DISCONNECT_EXTENSION = "vllm_proxy.disconnect"
 """The scope's ``extensions`` key under which our HTTP server (httpserver.py) gives a request its connection's
@@ -103,6 +106,8 @@ class ProxyRequest:
         "tally",
         "status",
         "error",
+        "responded",
+        "event_stream",
         "finished",
         "gone",
         "_usage",
@@ -168,6 +173,10 @@ class ProxyRequest:
         self.status = 499
         """What the client got (499: it left first)."""
         self.error: ProxyError | None = None
+        self.responded = False
+        """The answer's status and headers went out (``respond``): a later refusal can only end it."""
+        self.event_stream = False
+        """The answer is an event stream (an error after its headers can still be told as an event)."""
         self.finished = False
         """The last body message is (being) sent: uvicorn reports "disconnect" after it, which is no client
         leaving. Set by ``send_last`` alone."""
@@ -184,12 +193,30 @@ class ProxyRequest:
 
     # -- answering ----------------------------------------------------------------------------------------------
 
-    async def refuse(self, exc: ProxyError) -> None:
-        """Answer ``exc`` (the request reached no node, or none answered)."""
-        self.status, self.error = exc.status, exc
-        status, headers, body = render(exc, self.request_id, anthropic=self.route == ANTHROPIC_ROUTE)
+    async def respond(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send the answer's status and headers (once)."""
+        self.status, self.responded = status, True
+        self.event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def refuse(self, exc: ProxyError) -> None:
+        """Answer ``exc`` (the request reached no node, or none answered); once the answer's headers went out,
+        end it instead (``broken``)."""
+        self.error = exc
+        if self.responded:
+            await self.broken(exc)
+            return
+        status, headers, body = render(exc, self.request_id, anthropic=self.route == ANTHROPIC_ROUTE)
+        await self.respond(status, headers)
         await self.send_last(body)
+
+    async def broken(self, exc: ProxyError) -> None:
+        """The answer failed after its headers went out: a stream is told why in an error event and ended; any
+        other answer is left unfinished, so the server drops the connection and the client sees a truncated
+        answer as an error rather than a complete-looking, cut-off body."""
+        log.warning("answer broken request_id=%s error=%s", self.request_id, exc.message)
+        if self.event_stream and not self.finished:
+            await self.send_last(sse_error_event(exc, anthropic=self.route == ANTHROPIC_ROUTE))
 
     async def send_body(self, body: bytes) -> None:
         await self.send({"type": "http.response.body", "body": body, "more_body": True})

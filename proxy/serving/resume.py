@@ -235,7 +235,8 @@ class Splice:
         self._done = done
         self._role_skipped = False
         self.failed: NodeErrorEvent | None = None
-        """Set when the continuation's node reported an error: what came before it is still returned."""
+        """Set when the continuation's node reported an error, or sent an event that is not a JSON object: what
+        came before it is still returned."""
 
     def __call__(self, events: bytes) -> bytes:
         """The events to send on, up to an error event if the node reports one (see ``failed``)."""
@@ -246,7 +247,14 @@ class Splice:
             if not event.startswith(b"data: {"):
                 out.append(event + b"\n\n")
                 continue
-            obj = orjson.loads(event[6:])
+            try:
+                obj = orjson.loads(event[6:])
+            except orjson.JSONDecodeError:
+                obj = None
+            if not isinstance(obj, dict):
+                # The stream's node is broken: what came before is sent, and the stream goes on from another.
+                self.failed = NodeErrorEvent("the node sent an event that is not a JSON object")
+                break
             if "error" in obj and "choices" not in obj:
                 self.failed = NodeErrorEvent(f"the node reported an error: {obj['error']}")
                 break

@@ -128,3 +128,32 @@ async def test_accounting_records_a_completions_tokens_from_its_usage() -> None:
     assert request.usage() == (7, 3)
     metrics.flush()
     assert metrics.requests.labels(ROUTE, "none", "200")._value.get() == 1
+
+
+class FailsAfterHeaders:
+    """The layers inside: the answer's headers (and a first event) go out, then a ``ProxyError`` escapes."""
+
+    def __init__(self, content_type: bytes) -> None:
+        self.content_type = content_type
+
+    async def __call__(self, request: ProxyRequest) -> None:
+        await request.respond(200, [(b"content-type", self.content_type)])
+        await request.send_body(b'data: {"choices": []}\n\n')
+        raise NoNodeAvailable("the continuation found no node")
+
+
+async def test_an_error_after_the_answers_headers_ends_a_stream_with_an_error_event_not_a_second_answer() -> None:
+    client = Client()
+    await Accounting(FailsAfterHeaders(b"text/event-stream"), ProxyMetrics(CollectorRegistry()))(client.request())
+    starts = [m for m in client.messages if m["type"] == "http.response.start"]
+    assert len(starts) == 1 and starts[0]["status"] == 200
+    last = client.messages[-1]
+    assert last["more_body"] is False and b'"error"' in last["body"] and b"no node" in last["body"]
+
+
+async def test_an_error_after_a_json_answers_headers_leaves_it_unfinished() -> None:
+    client = Client()
+    await Accounting(FailsAfterHeaders(b"application/json"), ProxyMetrics(CollectorRegistry()))(client.request())
+    # One start, and no last message: the server drops the connection, so the client sees a truncated answer.
+    assert [m["type"] for m in client.messages] == ["http.response.start", "http.response.body"]
+    assert client.messages[-1]["more_body"] is True

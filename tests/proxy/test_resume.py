@@ -15,6 +15,7 @@ import pytest
 from tests.support.procs import wait_until
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
+from vllm_etcd_proxy.proxy.serving.resume import Progress, Splice
 
 MODEL = "sim-model"
 PROMPT = "tell me a long story about the sea"
@@ -211,3 +212,12 @@ def test_resumes_stop_at_max_resumes_with_the_error_event(proxy: ProxyProc, node
     assert len(seen["errors"]) == 1 and seen["done"] == 1
     assert len(seen["text"].split()) == 6
     assert resumes(proxy, "exhausted") == before + 1
+
+
+@pytest.mark.parametrize("bad", [b"data: {not json", b'data: {"choices": [}'])
+def test_a_continuation_event_that_is_not_json_ends_the_splice_there_and_keeps_what_came_before(bad: bytes) -> None:
+    splice = Splice("/v1/chat/completions", Progress(id="chatcmpl-1", created=1, model=MODEL, tokens=3))
+    good = b'data: {"id": "x", "choices": [{"index": 0, "delta": {"content": "sea"}}]}\n\n'
+    out = splice(good + bad + b"\n\n" + good)
+    assert splice.failed is not None and "not a JSON object" in splice.failed.message
+    assert out.count(b"data: ") == 1 and b'"id":"chatcmpl-1"' in out  # the event before it, rewritten
