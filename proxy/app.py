@@ -75,6 +75,7 @@ from vllm_etcd_proxy.proxy.serving.layers import (
     Keys,
     PickFlow,
     ReadRequest,
+    TenantLimits,
     Tracing,
     Wake,
 )
@@ -321,10 +322,9 @@ class Replica:
             elastic=self.elastic,
         )
         path: Handler = Relay(metrics, flows, settings.max_resumes)
-        if settings.max_concurrent:
-            path = Concurrency(path, self.concurrency)
-        if self.tenancy.tenancy is not None:
-            path = Admission(path, self.tenancy.tenancy)
+        tenancy = self.tenancy.tenancy
+        if tenancy is not None:
+            path = Admission(path, tenancy)
         path = PickFlow(path, flows)
         if self.sleep.on_demand is not None:
             path = Wake(path, self.sleep.on_demand)
@@ -338,6 +338,10 @@ class Replica:
             count_uncached=self._counts_uncached(settings),
             resumes=settings.max_resumes > 0,
         )
+        if tenancy is not None:
+            path = TenantLimits(path, tenancy)
+        if settings.max_concurrent:
+            path = Concurrency(path, self.concurrency)
         path = Keys(path, self.keys)
         if self.tracer is not None:
             path = Tracing(path, self.tracer)

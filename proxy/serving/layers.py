@@ -2,13 +2,15 @@
 wraps an app (``Handler``: one async call with the request):
 
 ``Accounting`` (metrics, and any error no layer answered) -> ``Tracing`` (only when a tracer is configured) ->
-``Keys`` (the client key) -> ``ReadRequest`` (the body, the model, routing hints) -> ``Wake`` (only with
---wake-on-demand) -> ``PickFlow`` ->
-``Admission`` (tenant limits and the fair queue, only when configured) -> ``Concurrency`` (``--max-concurrent``,
-only when set) -> the relay (relay.py).
+``Keys`` (the client key) -> ``Concurrency`` (``--max-concurrent-requests``, only when set) -> ``TenantLimits``
+(the tenant's limits, with tenants or the fair queue) -> ``ReadRequest`` (the body, the model, routing hints) ->
+``Wake`` (only with --wake-on-demand) -> ``PickFlow`` -> ``Admission`` (the body's token estimate and the fair
+queue, with tenants or the queue) -> the relay (relay.py).
 
-A layer that refuses a request answers it itself (``ProxyRequest.refuse``) and does not call the next one, so
-every layer outside it sees the status the client got when it finishes.
+The refusals that need no body come first: a replica at its limit or a tenant over its own answers before the
+body is read (the server drops what the client still sends). A layer that refuses a request answers it itself
+(``ProxyRequest.refuse``) and does not call the next one, so every layer outside it sees the status the client
+got when it finishes.
 """
 
 from __future__ import annotations
@@ -195,9 +197,9 @@ class PickFlow:
         await self.app(request)
 
 
-class Admission:
-    """The tenant's limits and the fair queue (tenancy/): admitted, refused (429), or queued until a node of the
-    model has room; the tenant is charged what the answer cost once it is through."""
+class TenantLimits:
+    """The tenant's limits (tenancy/), before the body is read: admitted, refused (429), or held while another
+    replica hands capacity over; the tenant is charged what the answer cost once it is through (``Ticket``)."""
 
     def __init__(self, app: Handler, tenancy: Tenancy) -> None:
         self.app, self._tenancy = app, tenancy
@@ -208,18 +210,35 @@ class Admission:
             await self.app(request)
             return
         try:
-            ticket, request.send = await tenancy.admit(
-                request.limits, request.model, request.body, len(request.raw), request.receive, request.send
-            )
+            ticket = await tenancy.admit_limits(request.limits, request.client.content_length)
         except ProxyError as exc:
             await request.refuse(exc)
             return
+        request.ticket, request.send = ticket, ticket.wrap(request.send)
         try:
             await self.app(request)
         except ProxyError as exc:
             await request.refuse(exc)
         finally:
             ticket.finish(request.status, *request.usage(), request.tally)
+
+
+class Admission:
+    """Once the body is read and a flow picked: the tenant's tokens estimated from the body, and the fair queue
+    (tenancy/queue.py) while every node of the model is full (503 past ``--queue-timeout``)."""
+
+    def __init__(self, app: Handler, tenancy: Tenancy) -> None:
+        self.app, self._tenancy = app, tenancy
+
+    async def __call__(self, request: ProxyRequest) -> None:
+        ticket = request.ticket
+        if ticket is not None:
+            try:
+                await self._tenancy.queue_turn(ticket, request.model, request.body, len(request.raw), request.receive)
+            except ProxyError as exc:
+                await request.refuse(exc)
+                return
+        await self.app(request)
 
 
 class Concurrency:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from vllm_etcd_proxy.proxy.routing.elastic import Plan
     from vllm_etcd_proxy.proxy.serving.flows import Flow
     from vllm_etcd_proxy.proxy.serving.parsing import ClientRequest
+    from vllm_etcd_proxy.proxy.tenancy.admission import Ticket
     from vllm_etcd_proxy.proxy.tenancy.keys import Limits
 
 
@@ -88,6 +89,7 @@ class ProxyRequest:
         "forwarded",
         "trace",
         "limits",
+        "ticket",
         "raw",
         "body",
         "model",
@@ -140,6 +142,8 @@ class ProxyRequest:
         self.trace: RequestTrace = NO_TRACE
         self.limits: Limits | None = None
         """The client key's tenant and limits (None: no key set is configured)."""
+        self.ticket: Ticket | None = None
+        """Its claim on its tenant's limits (tenancy/admission.py), from the ``TenantLimits`` layer on."""
         self.raw = b""
         """The body as the nodes get it (a continuation's, once a stream is resumed)."""
         self.body: dict[str, Any] | None = None

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Send
 
-from vllm_etcd_proxy.proxy.errors import ClientLeft, QueueTimeout
+from vllm_etcd_proxy.proxy.errors import ClientLeft, ProxyError, QueueTimeout
 from vllm_etcd_proxy.proxy.tenancy.holdings import Holding, TenantCounters
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet, Limits
 from vllm_etcd_proxy.proxy.tenancy.lending import hand_on, settle_with, take_from
@@ -41,24 +41,28 @@ _KINDS = {"requests": "rpm", "tokens": "tpm", "concurrency": "concurrency"}
 
 
 class Ticket:
-    """One admitted request: ``wrap`` adds the ``x-ratelimit-*`` headers, ``finish`` ends it (once)."""
+    """One request's claim on its tenant, from before its body is read to its end: ``wrap`` adds the
+    ``x-ratelimit-*`` headers, ``estimated`` puts the body's token estimate in place of the headers', ``routed``
+    says it reached the queue (a request refused before it gives back its part of the rate limits), ``finish``
+    ends it (once)."""
 
-    __slots__ = ("_tenancy", "_grant", "_model", "_tenant", "_prompt_estimate", "_done")
+    __slots__ = ("_tenancy", "grant", "limits", "model", "tenant", "_prompt_estimate", "_routed", "_done")
 
-    def __init__(
-        self, tenancy: Tenancy, grant: Grant | None, model: str | None, tenant: str, prompt_estimate: int
-    ) -> None:
+    def __init__(self, tenancy: Tenancy, grant: Grant | None, limits: Limits | None, prompt_estimate: int) -> None:
         self._tenancy = tenancy
-        self._grant = grant
-        self._model = model
-        self._tenant = tenant
+        self.grant = grant
+        self.limits = limits
+        self.tenant = limits.tenant if limits is not None else OPEN
+        self.model: str | None = None
+        """The model whose queue it entered (its turn is given on when it ends)."""
         self._prompt_estimate = prompt_estimate
+        self._routed = False
         self._done = False
 
     def wrap(self, send: Send) -> Send:
-        if self._grant is None or not self._grant.headers:
+        if self.grant is None or not self.grant.headers:
             return send
-        extra = self._grant.headers
+        extra = self.grant.headers
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -66,6 +70,15 @@ class Ticket:
             await send(message)
 
         return with_headers
+
+    def estimated(self, raw_length: int, body: dict[str, Any] | None) -> None:
+        """The body was read: its estimate of the request's tokens replaces the one made from its length."""
+        self._prompt_estimate = raw_length // 4
+        if self.grant is not None and self.grant.limits.tpm:
+            self.grant.reserve(estimate_tokens(raw_length, body))
+
+    def routed(self) -> None:
+        self._routed = True
 
     def finish(
         self, status: int, prompt: int | None = None, completion: int | None = None, tally: Relayed | None = None
@@ -76,7 +89,7 @@ class Ticket:
             return
         self._done = True
         tokens: int | None = 0
-        if status == 499:
+        if status == 499 and self._routed:
             tokens = None  # the client left mid-way: what the node spent is unknown, the estimate stands
         elif 200 <= status < 300:
             if completion is None and tally is not None and tally.streamed:
@@ -84,13 +97,13 @@ class Ticket:
             if prompt is None:
                 prompt = self._prompt_estimate
             tokens = prompt + (completion or 0)
-        if self._grant is not None:
-            self._grant.finish(tokens)
+        if self.grant is not None:
+            self.grant.finish(tokens, refund=not self._routed)
         tenancy = self._tenancy
         if tokens:
-            tenancy.metrics.child(tenancy.metrics.tokens, self._tenant).inc(tokens)
-        if self._model is not None and tenancy.queue is not None:
-            tenancy.queue.leave(self._model)
+            tenancy.metrics.child(tenancy.metrics.tokens, self.tenant).inc(tokens)
+        if self.model is not None and tenancy.queue is not None:
+            tenancy.queue.leave(self.model)
 
 
 class Tenancy:
@@ -149,7 +162,9 @@ class Tenancy:
             return None
         session = Limits(tenant=limits.tenant, concurrency=limits.concurrency)
         grant = await self._admit_limited(session, 0, None)
-        return Ticket(self, grant, None, limits.tenant, 0)
+        ticket = Ticket(self, grant, session, 0)
+        ticket.routed()
+        return ticket
 
     def _counters_of(self, tenant: str) -> TenantCounters:
         if self._version != self.keys.version:
@@ -162,6 +177,27 @@ class Tenancy:
             counters = self._counters[tenant] = TenantCounters()
         return counters
 
+    async def admit_limits(self, limits: Limits | None, declared: int | None, receive: Receive | None = None) -> Ticket:
+        """The key's limits (before the body is read, tpm on an estimate from the declared length). Raises
+        ``RateLimited``, or ``ClientLeft`` when the client left while its request waited (watched through
+        ``receive`` only when given: before the body is read, its next message is the body)."""
+        grant = None
+        if limits is not None and limits.limited:
+            grant = await self._admit_limited(limits, estimate_tokens(declared or 0, None), receive)
+        return Ticket(self, grant, limits, (declared or 0) // 4)
+
+    async def queue_turn(
+        self, ticket: Ticket, model: str | None, body: dict[str, Any] | None, raw_length: int, receive: Receive
+    ) -> None:
+        """After the body was read and a flow picked: the tokens estimated from the body, then the fair queue.
+        Raises ``QueueTimeout``, or ``ClientLeft`` (gone while queued)."""
+        ticket.estimated(raw_length, body)
+        ticket.routed()
+        if self.queue is not None and model is not None:
+            await self._wait_turn(self.queue, model, ticket.tenant, _priority(ticket.limits, body), receive)
+            ticket.model = model
+        self.metrics.child(self.metrics.requests, ticket.tenant).inc()
+
     async def admit(
         self,
         limits: Limits | None,
@@ -171,16 +207,14 @@ class Tenancy:
         receive: Receive,
         send: Send,
     ) -> tuple[Ticket, Send]:
-        """Admit the request or raise ``RateLimited``, ``QueueTimeout``, or ``ClientLeft`` (gone while waiting);
-        returns its ticket, and ``send`` with the ``x-ratelimit-*`` headers added when the key has limits."""
-        tenant = limits.tenant if limits is not None else OPEN
-        grant = None
-        if limits is not None and limits.limited:
-            grant = await self._admit_limited(limits, estimate_tokens(raw_length, body), receive)
-        if self.queue is not None and model is not None:
-            await self._wait_turn(self.queue, model, tenant, _priority(limits, body), grant, receive)
-        self.metrics.child(self.metrics.requests, tenant).inc()
-        ticket = Ticket(self, grant, model, tenant, raw_length // 4)
+        """``admit_limits`` and ``queue_turn`` at once, for a request whose body is read; its ticket, and ``send``
+        with the ``x-ratelimit-*`` headers added when the key has limits. A request refused is finished."""
+        ticket = await self.admit_limits(limits, raw_length, receive)
+        try:
+            await self.queue_turn(ticket, model, body, raw_length, receive)
+        except ProxyError as exc:
+            ticket.finish(exc.status)
+            raise
         return ticket, ticket.wrap(send)
 
     async def _admit_limited(self, limits: Limits, estimate: int, receive: Receive | None) -> Grant:
@@ -360,25 +394,18 @@ class Tenancy:
             await asyncio.sleep(TICK)
             self.tick(self.fleet.view.clock())
 
-    async def _wait_turn(
-        self, queue: FairQueue, model: str, tenant: str, priority: int, grant: Grant | None, receive: Receive
-    ) -> None:
-        """Wait for the request's turn in the fair queue; one that gets none gives its grant back."""
+    async def _wait_turn(self, queue: FairQueue, model: str, tenant: str, priority: int, receive: Receive) -> None:
+        """Wait for the request's turn in the fair queue (one that gets none is finished by its ticket)."""
         metrics = self.metrics
         started = time.monotonic()
         try:
             entered = await queue.enter(model, tenant, priority, receive)
         except QueueTimeout:
             metrics.child(metrics.rejections, tenant, "queue_timeout").inc()
-            _give_back(grant)
-            raise
-        except BaseException:
-            _give_back(grant)
             raise
         waited = time.monotonic() - started
         if not entered:
             metrics.child(metrics.queue_left, tenant).inc()
-            _give_back(grant)
             raise ClientLeft("the client left while its request was queued")
         if waited > 0.0005:
             metrics.child(metrics.queue_wait, tenant).observe(waited)
@@ -390,9 +417,3 @@ def _priority(limits: Limits | None, body: dict[str, Any] | None) -> int:
         return limits.priority
     asked = body.get("priority") if body is not None else None
     return asked if isinstance(asked, int) and not isinstance(asked, bool) else 0
-
-
-def _give_back(grant: Grant | None) -> None:
-    """A request that was not sent costs no tokens (its concurrency slot is freed)."""
-    if grant is not None:
-        grant.finish(0)

@@ -69,14 +69,23 @@ class Grant:
         self.started = started
         self.on_end: Callable[[], None] = lambda: None
 
-    def finish(self, tokens: int | None) -> None:
-        """The request ended: ``tokens`` used per the node (None: what was reserved stands)."""
+    def reserve(self, estimate: int) -> None:
+        """Reserve ``estimate`` tokens instead of what was reserved (a better estimate came)."""
+        counters = self.counters
+        counters.holding("tpm").level -= estimate - self.reserved
+        self.reserved = estimate
+
+    def finish(self, tokens: int | None, *, refund: bool = False) -> None:
+        """The request ended: ``tokens`` used per the node (None: what was reserved stands); ``refund``: it was
+        refused before it got anywhere (its body, its model), and its request of the rpm limit is given back."""
         counters = self.counters
         counters.running -= 1
-        if self.limits.concurrency:
+        if self.limits.concurrency and not refund:
             counters.released(time.monotonic() - self.started)
         if self.limits.tpm and tokens is not None:
             counters.holding("tpm").level += self.reserved - tokens
+        if self.limits.rpm and refund:
+            counters.holding("rpm").level += 1
         self.on_end()
 
 
