@@ -66,10 +66,11 @@ from vllm_etcd_proxy.proxy.serving.adapters import AdapterLoader
 from vllm_etcd_proxy.proxy.serving.api import OpenAIRoutes
 from vllm_etcd_proxy.proxy.serving.flows import Flows
 from vllm_etcd_proxy.proxy.serving.forwarder import Forwarder
-from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit, SessionGuard
+from vllm_etcd_proxy.proxy.serving.guard import ClientKeys, ConcurrencyLimit, HeaderLimit
 from vllm_etcd_proxy.proxy.serving.layers import (
     Accounting,
     Admission,
+    Answer,
     Concurrency,
     Handler,
     Keys,
@@ -81,7 +82,7 @@ from vllm_etcd_proxy.proxy.serving.layers import (
 )
 from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits
 from vllm_etcd_proxy.proxy.serving.relay import Relay
-from vllm_etcd_proxy.proxy.serving.websocket import WebSocketProxy
+from vllm_etcd_proxy.proxy.serving.sessions import SessionFlow, SessionRelay
 from vllm_etcd_proxy.proxy.settings import ProxySettings
 from vllm_etcd_proxy.proxy.sleep.setup import build_sleep
 from vllm_etcd_proxy.proxy.supervisor import Supervisor
@@ -266,10 +267,6 @@ class Replica:
         for collector in self.collectors():
             registry.register(collector)
 
-    def sessions(self) -> SessionGuard:
-        """What a WebSocket session passes before a node is picked (serving/guard.py)."""
-        return SessionGuard(self.keys, self.concurrency, self.tenancy.tenancy)
-
     def _base_of(self, model: str) -> str:
         """The base model of a registered LoRA adapter; any other model is its own."""
         adapter = self.adapters.get(model)
@@ -320,8 +317,10 @@ class Replica:
             prefill_timeout=settings.timeouts.prefill,
             pd_min_prompt_tokens=settings.pd_min_prompt_tokens,
             elastic=self.elastic,
+            session=SessionFlow(self.pool, self.forwarder, metrics, settings, self.node_tls),
         )
-        path: Handler = Relay(metrics, flows, settings.max_resumes)
+        sessions = SessionRelay(flows.session, metrics)
+        path: Handler = Answer(Relay(metrics, flows, settings.max_resumes), sessions)
         tenancy = self.tenancy.tenancy
         if tenancy is not None:
             path = Admission(path, tenancy)
@@ -486,14 +485,6 @@ def build_app(
     )
     openai = OpenAIRoutes(
         replica.request_path(),
-        WebSocketProxy(
-            replica.pool,
-            replica.policies,
-            replica.sessions(),
-            replica.metrics,
-            settings,
-            replica.node_tls,
-        ),
         operator_app,
         session_header=settings.affinity_header,
         backend_api_key=settings.backend_api_key,

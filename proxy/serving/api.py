@@ -2,8 +2,8 @@
 
 Every path that is not the replica's own (``routes.py``) is forwarded, any method, with no framework objects per
 request: the entry makes one ``ProxyRequest`` (request.py) and hands it to the layers (layers.py), the last of
-which is the relay (relay.py). The replica's own routes (``GET /v1/models``, health, status, the admin API) go
-on to the starlette app, and WebSocket connections to ``websockets``.
+which is the relay (relay.py). A WebSocket session goes through the same layers (sessions.py). The replica's own
+routes (``GET /v1/models``, health, status, the admin API) go on to the starlette app.
 
 Completions and chat completions use the disaggregated flow when the model has prefill and decode nodes, else
 mixed nodes (then decode nodes on their own). ``POST /v1/responses`` goes where its ``previous_response_id`` is
@@ -23,25 +23,24 @@ from vllm_etcd_proxy.proxy.serving.layers import Handler
 from vllm_etcd_proxy.proxy.serving.parsing import read_headers
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.serving.routes import Kind, classify, metric_route
+from vllm_etcd_proxy.proxy.serving.sessions import session_route
 
 FORWARDED_METHODS = frozenset(["GET", "POST", "PUT", "PATCH", "DELETE"])
 
 
 class OpenAIRoutes:
-    """ASGI app: every forwarded request into ``handler`` (the layers), WebSockets to ``websockets``, and
-    ``fallback`` for every other request."""
+    """ASGI app: every forwarded request and WebSocket session into ``handler`` (the layers), and ``fallback`` for
+    every other request."""
 
     def __init__(
         self,
         handler: Handler,
-        websockets: ASGIApp,
         fallback: ASGIApp,
         *,
         session_header: str,
         backend_api_key: str | None,
     ) -> None:
         self._handler = handler
-        self._websockets = websockets
         self._fallback = fallback
         self._session_header = session_header.encode("latin-1")
         self._backend_auth = f"Bearer {backend_api_key}".encode("latin-1") if backend_api_key else None
@@ -58,6 +57,13 @@ class OpenAIRoutes:
                 await self._handler(request)
                 return
         elif scope["type"] == "websocket":
-            await self._websockets(scope, receive, send)
+            if (await receive())["type"] != "websocket.connect":
+                return
+            client = read_headers(scope, session_header=self._session_header, backend_auth=self._backend_auth)
+            route = session_route(scope["path"])
+            request = ProxyRequest(
+                scope, receive, send, kind=Kind.SESSION, route=route, started=time.monotonic(), client=client
+            )
+            await self._handler(request)
             return
         await self._fallback(scope, receive, send)

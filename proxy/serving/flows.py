@@ -34,6 +34,7 @@ from vllm_etcd_proxy.proxy.serving.forwarder import ErrorAnswer, Forwarder, Leg,
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest
 from vllm_etcd_proxy.proxy.serving.responses import ResponseIds, previous_response_id
 from vllm_etcd_proxy.proxy.serving.routes import Kind, response_id_of
+from vllm_etcd_proxy.proxy.serving.sessions import SessionFlow
 
 MIXED_ROLES = (Role.MIXED, Role.BOTH, Role.DECODE)
 """Nodes that serve a request alone, in the order tried (the first role with a node available wins)."""
@@ -146,6 +147,7 @@ class Flows:
         prefill_timeout: float,
         pd_min_prompt_tokens: int,
         elastic: Elastic,
+        session: SessionFlow,
     ) -> None:
         self._pool, self._adapters, self._kv = pool, adapters, kv
         self._ids = ResponseIds(pool)
@@ -162,11 +164,16 @@ class Flows:
         self.new_response = NewResponse("mixed", forwarder, self._ids, first_byte_timeout)
         self.adapter_response = WithAdapter(adapters, self.new_response)
         self.continued_response = NewResponse("pinned", forwarder, self._ids, first_byte_timeout)
+        self.session = session
+        session.check = self.check_routable
 
     def pick(self, request: ProxyRequest, avoid: tuple[NodeState, ...] = ()) -> Flow:
         """The flow for ``request`` (its body read, its model known); ``ProxyError`` when none can serve it.
         ``avoid``: nodes a resumed stream's continuation is not to be placed on while others are left."""
         kind = request.kind
+        if kind is Kind.SESSION:
+            self.session.check(self._model(request), MIXED_ROLES)
+            return self.session
         if kind is Kind.BY_RESPONSE_ID:
             request.pinned = self._ids.holder(response_id_of(request.path))
             return self.by_response_id

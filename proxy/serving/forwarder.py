@@ -212,7 +212,7 @@ class Forwarder:
         for attempt in range(self._attempts):
             if leg.deadline is not None and time.monotonic() >= leg.deadline:
                 break
-            role, state = self._choose(request, leg, tried)
+            role, state = self.choose(request, leg, tried)
             if state is None:
                 break
             if attempt:
@@ -231,7 +231,7 @@ class Forwarder:
             raise last_error
         raise NoNodeAvailable(f"no {'/'.join(r.value for r in leg.roles)} node is available for model {model!r}")
 
-    def _choose(self, request: ProxyRequest, leg: Leg, tried: Collection[NodeState]) -> tuple[Role, NodeState | None]:
+    def choose(self, request: ProxyRequest, leg: Leg, tried: Collection[NodeState]) -> tuple[Role, NodeState | None]:
         """The node for the next attempt (None: none is left), and the role it is there as."""
         pinned = request.pinned
         if pinned is not None:

@@ -1,5 +1,5 @@
-"""Who may use the OpenAI routes, how many requests a replica takes on at once, and how large headers may be;
-``SessionGuard`` applies the first two (and the tenant's concurrency) to a WebSocket session.
+"""Who may use the OpenAI routes, how many requests (and WebSocket sessions) a replica takes on at once, and how
+large headers may be.
 
 Client keys are optional: with none configured the API is open (the embedded default, like vLLM without
 --api-key). The key set, its tenants and their limits live in ``tenancy/keys.py``; keys are never logged.
@@ -10,11 +10,10 @@ from __future__ import annotations
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm_etcd_proxy.proxy.errors import HeadersTooLarge, ServiceUnavailable, render
-from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy, Ticket
 from vllm_etcd_proxy.proxy.tenancy.bearer import bearer_token
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet as ClientKeys
 
-__all__ = ["ClientKeys", "ConcurrencyLimit", "HeaderLimit", "SessionGuard", "SessionHold", "bearer_token"]
+__all__ = ["ClientKeys", "ConcurrencyLimit", "HeaderLimit", "bearer_token"]
 
 
 class ConcurrencyLimit:
@@ -33,44 +32,6 @@ class ConcurrencyLimit:
 
     def release(self) -> None:
         self.in_flight -= 1
-
-
-class SessionHold:
-    """What an open WebSocket session holds: a slot of the replica's limit, maybe one of its tenant's; ``close``
-    gives them back (once)."""
-
-    __slots__ = ("_limit", "_ticket", "_closed")
-
-    def __init__(self, limit: ConcurrencyLimit, ticket: Ticket | None) -> None:
-        self._limit, self._ticket, self._closed = limit, ticket, False
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._limit.release()
-        if self._ticket is not None:
-            self._ticket.finish(101)  # a session's tokens are not counted: only its slot is given back
-
-
-class SessionGuard:
-    """A WebSocket session, before a node is picked: a valid client key (401), a slot of its tenant's concurrency
-    limit (429, tenancy/), a slot of ``--max-concurrent-requests`` (503), held until the session ends."""
-
-    def __init__(self, keys: ClientKeys, limit: ConcurrencyLimit, tenancy: Tenancy | None) -> None:
-        self._keys, self._limit, self._tenancy = keys, limit, tenancy
-
-    async def open(self, authorization: str | bytes | None) -> SessionHold:
-        """Raises ``Unauthorized``, ``RateLimited`` or ``ServiceUnavailable``."""
-        limits = self._keys.check(authorization)
-        ticket = await self._tenancy.admit_session(limits) if self._tenancy is not None else None
-        try:
-            self._limit.acquire()
-        except ServiceUnavailable:
-            if ticket is not None:
-                ticket.finish(503)
-            raise
-        return SessionHold(self._limit, ticket)
 
 
 class HeaderLimit:

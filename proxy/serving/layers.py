@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from vllm_etcd_proxy.proxy.errors import ClientLeft, NodeAdminRefused, ProxyError
+from vllm_etcd_proxy.proxy.errors import ClientLeft, NodeAdminRefused, NoNodeAvailable, ProxyError
 from vllm_etcd_proxy.proxy.kvcache.prompt.ids import PromptIds, read_prompt
 from vllm_etcd_proxy.proxy.routing.affinity import PrefixIndex, route_hints
 from vllm_etcd_proxy.proxy.routing.kv_aware import KvRouting
@@ -29,10 +29,12 @@ from vllm_etcd_proxy.proxy.serving.parsing import BodyLimits, read_body
 from vllm_etcd_proxy.proxy.serving.request import ProxyRequest, Tally
 from vllm_etcd_proxy.proxy.serving.resume import not_resumable
 from vllm_etcd_proxy.proxy.serving.routes import Kind
+from vllm_etcd_proxy.proxy.serving.sessions import SessionRelay, query_model
 from vllm_etcd_proxy.proxy.sleep.ondemand import WakeOnDemand
 from vllm_etcd_proxy.proxy.telemetry.metrics import ProxyMetrics
 from vllm_etcd_proxy.proxy.telemetry.spans import Tracer, split_trace_headers
 from vllm_etcd_proxy.proxy.tenancy.admission import Tenancy
+from vllm_etcd_proxy.proxy.tenancy.keys import Limits
 
 Handler = Callable[[ProxyRequest], Awaitable[None]]
 
@@ -45,21 +47,26 @@ class Accounting:
         self.app, self._metrics = app, metrics
 
     async def __call__(self, request: ProxyRequest) -> None:
-        metrics = self._metrics
         try:
             await self.app(request)
         except ProxyError as exc:
             await request.refuse(exc)
         finally:
-            if isinstance(request.error, ClientLeft):
-                metrics.client_disconnects.inc()
-            metrics.request_done(request.route, request.mode, request.status, request.started)
-            tally, model = request.tally, request.model
-            if tally is not None and request.status == 200 and model is not None:
-                prompt, completion = request.usage()
-                metrics.generated(
-                    model, request.started, tally.first_at, tally.streamed, tally.chunks, prompt, completion
-                )
+            self._count(request)
+
+    def _count(self, request: ProxyRequest) -> None:
+        metrics = self._metrics
+        if request.kind is Kind.SESSION:
+            if request.denied is not None:  # an accepted session is counted by its relay
+                metrics.websocket_done(request.route, request.denied.outcome)
+            return
+        if isinstance(request.error, ClientLeft):
+            metrics.client_disconnects.inc()
+        metrics.request_done(request.route, request.mode, request.status, request.started)
+        tally, model = request.tally, request.model
+        if tally is not None and request.status == 200 and model is not None:
+            prompt, completion = request.usage()
+            metrics.generated(model, request.started, tally.first_at, tally.streamed, tally.chunks, prompt, completion)
 
 
 class Tracing:
@@ -71,7 +78,7 @@ class Tracing:
     async def __call__(self, request: ProxyRequest) -> None:
         request.forwarded, parent = split_trace_headers(request.forwarded)
         trace = request.trace = self._tracer.request(
-            method=request.scope["method"],
+            method=request.scope.get("method", "GET"),  # a WebSocket's handshake is a GET
             route=request.route,
             request_id=request.request_id,
             started=request.started,
@@ -139,15 +146,25 @@ class ReadRequest:
                 f"{path} is a vLLM node-admin route: it acts on one node's engine, so the proxy never sends it "
                 "to a node picked by load balancing; send it to that node directly"
             )
-        request.raw = await read_body(request.receive, request.client.content_length, self._limits)
         query: bytes = scope.get("query_string", b"")
         target: bytes = scope["raw_path"] if scope.get("raw_path") else path.encode()
         request.target = target + b"?" + query if query else target
+        if kind is Kind.SESSION:
+            request.model = query_model(request) or self._first_model()
+            return
+        request.raw = await read_body(request.receive, request.client.content_length, self._limits)
         request.head = header_lines(request.forwarded)
         request.method = scope["method"].encode()
         if kind is not Kind.BY_RESPONSE_ID:
             request.body, request.model = request_model(request.client, request.raw, query, kind, path, self._served)
             self._for_routing(request)
+
+    def _first_model(self) -> str:
+        """vLLM's rule for a session that names no model, within what the fleet serves."""
+        models = self._served()
+        if not models:
+            raise NoNodeAvailable("no node serves any model right now; retry shortly")
+        return models[0]
 
     def _for_routing(self, request: ProxyRequest) -> None:
         body, model = request.body, request.model
@@ -205,12 +222,17 @@ class TenantLimits:
         self.app, self._tenancy = app, tenancy
 
     async def __call__(self, request: ProxyRequest) -> None:
-        tenancy = self._tenancy
-        if request.limits is None and tenancy.queue is None:
+        tenancy, limits = self._tenancy, request.limits
+        if request.kind is Kind.SESSION:  # a session holds one of its tenant's concurrency slots, and no rate
+            limits = Limits(tenant=limits.tenant, concurrency=limits.concurrency) if limits is not None else None
+            if limits is None or not limits.concurrency:
+                await self.app(request)
+                return
+        elif limits is None and tenancy.queue is None:
             await self.app(request)
             return
         try:
-            ticket = await tenancy.admit_limits(request.limits, request.client.content_length)
+            ticket = await tenancy.admit_limits(limits, request.client.content_length)
         except ProxyError as exc:
             await request.refuse(exc)
             return
@@ -232,7 +254,9 @@ class Admission:
 
     async def __call__(self, request: ProxyRequest) -> None:
         ticket = request.ticket
-        if ticket is not None:
+        if ticket is not None and request.kind is Kind.SESSION:
+            ticket.routed()  # a session is not queued: it holds a node as long as it lasts
+        elif ticket is not None:
             try:
                 await self._tenancy.queue_turn(ticket, request.model, request.body, len(request.raw), request.receive)
             except ProxyError as exc:
@@ -258,3 +282,16 @@ class Concurrency:
             await self.app(request)
         finally:
             limit.release()
+
+
+class Answer:
+    """The end of the path: the HTTP relay for a request, the session relay for a WebSocket session."""
+
+    def __init__(self, relay: Handler, sessions: SessionRelay) -> None:
+        self._relay, self._sessions = relay, sessions
+
+    async def __call__(self, request: ProxyRequest) -> None:
+        if request.kind is Kind.SESSION:
+            await self._sessions(request)
+        else:
+            await self._relay(request)

@@ -18,6 +18,7 @@ from starlette.types import Message, Receive, Scope, Send
 from vllm_etcd_proxy.proxy.errors import ANTHROPIC_ROUTE, ProxyError, render, sse_error_event
 from vllm_etcd_proxy.proxy.serving.routes import Kind
 from vllm_etcd_proxy.proxy.serving.usage import usage_of
+from vllm_etcd_proxy.proxy.serving.wsrelay import Denied, reason_text
 from vllm_etcd_proxy.proxy.telemetry.spans import NO_TRACE, RequestTrace
 
 if TYPE_CHECKING:
@@ -110,6 +111,7 @@ class ProxyRequest:
         "error",
         "responded",
         "event_stream",
+        "denied",
         "finished",
         "gone",
         "_usage",
@@ -181,6 +183,8 @@ class ProxyRequest:
         """The answer's status and headers went out (``respond``): a later refusal can only end it."""
         self.event_stream = False
         """The answer is an event stream (an error after its headers can still be told as an event)."""
+        self.denied: Denied | None = None
+        """Why a session's handshake was refused (its outcome for the session metrics)."""
         self.finished = False
         """The last body message is (being) sent: uvicorn reports "disconnect" after it, which is no client
         leaving. Set by ``send_last`` alone."""
@@ -205,14 +209,28 @@ class ProxyRequest:
 
     async def refuse(self, exc: ProxyError) -> None:
         """Answer ``exc`` (the request reached no node, or none answered); once the answer's headers went out,
-        end it instead (``broken``)."""
+        end it instead (``broken``). A session is denied its handshake (``deny``)."""
         self.error = exc
+        if self.kind is Kind.SESSION:
+            await self.deny(Denied.of(exc, self.request_id))
+            return
         if self.responded:
             await self.broken(exc)
             return
         status, headers, body = render(exc, self.request_id, anthropic=self.route == ANTHROPIC_ROUTE)
         await self.respond(status, headers)
         await self.send_last(body)
+
+    async def deny(self, denied: Denied) -> None:
+        """Refuse a session's handshake: an HTTP answer where the server can send one, else a close (which the
+        client sees as HTTP 403)."""
+        self.status, self.denied = denied.answer[0], denied
+        if "websocket.http.response" in self.scope.get("extensions", {}):
+            status, headers, body = denied.answer
+            await self.send({"type": "websocket.http.response.start", "status": status, "headers": headers})
+            await self.send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await self.send({"type": "websocket.close", "code": denied.code, "reason": reason_text(denied.message)})
 
     async def broken(self, exc: ProxyError) -> None:
         """The answer failed after its headers went out: a stream is told why in an error event and ended; any

@@ -26,6 +26,8 @@ class Kind(Enum):
     """``/v1/responses/{id}...``: to the node that holds that response."""
     FORWARD = "forward"
     """Anything else: to a node serving the request's model, byte for byte."""
+    SESSION = "session"
+    """A WebSocket session (any path): one node per connection, message by message (sessions.py)."""
 
 
 OWN_PATHS = frozenset(

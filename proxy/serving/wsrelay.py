@@ -1,7 +1,7 @@
 """One accepted WebSocket connection, relayed message by message between the client (ASGI) and a node (the
 ``websockets`` client): text stays text, bytes stay bytes, and whichever side closes first closes the other with
 its code and reason. A session whose model was not in the query may move, on the client's first message, to a
-node serving the model that message names (see websocket.py).
+node serving the model that message names (see sessions.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from websockets.exceptions import ConnectionClosed
 from vllm_etcd_proxy.fleet.records import Role
 from vllm_etcd_proxy.proxy.discovery.pool import NodeState
 from vllm_etcd_proxy.proxy.errors import ProxyError, render
+from vllm_etcd_proxy.proxy.telemetry.spans import LegSpan
 
 _SENDABLE = frozenset([1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014])
 CLOSE_TIMEOUT = 5.0
@@ -58,6 +59,7 @@ class Link:
     ws: ClientConnection
     state: NodeState
     role: Role
+    span: LegSpan
     skip_created: bool = False
     """Drop the node's first message if it is a ``session.created`` (the client has one from an earlier node)."""
     retired: bool = False

@@ -133,7 +133,7 @@ class WakeOnDemand:
                 self._start(model)
                 await _first(changed, left)
                 if left.done():
-                    if left.result().get("type") == "http.disconnect":
+                    if left.result().get("type") in ("http.disconnect", "websocket.disconnect"):
                         raise ClientLeft("the client left while its request waited for a node to wake")
                     left = asyncio.ensure_future(receive())
         finally:

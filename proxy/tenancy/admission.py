@@ -155,17 +155,6 @@ class Tenancy:
                 out[tenant] = entries
         return out
 
-    async def admit_session(self, limits: Limits | None) -> Ticket | None:
-        """A WebSocket session holds one of its tenant's concurrency slots while it lasts (``RateLimited`` when
-        none is free); None when its key has no concurrency limit."""
-        if limits is None or not limits.concurrency:
-            return None
-        session = Limits(tenant=limits.tenant, concurrency=limits.concurrency)
-        grant = await self._admit_limited(session, 0, None)
-        ticket = Ticket(self, grant, session, 0)
-        ticket.routed()
-        return ticket
-
     def _counters_of(self, tenant: str) -> TenantCounters:
         if self._version != self.keys.version:
             # The set changed: forget tenants it no longer names (their requests in flight keep their counters).
