@@ -281,6 +281,16 @@ def code_version() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+def checkout_arg(spec: str) -> tuple[str, Path]:
+    """``--build NAME=CHECKOUT``: a name and a directory holding this project's sources to run servers from (``.``
+    for this checkout, a ``git worktree`` of another commit for the code before)."""
+    name, sep, checkout = spec.partition("=")
+    path = Path(checkout).resolve()
+    if not sep or not name or not (path / "vllm_etcd_proxy").is_dir():
+        raise argparse.ArgumentTypeError(f"{spec!r}: not NAME=CHECKOUT with CHECKOUT holding vllm_etcd_proxy/")
+    return name, path
+
+
 def add_run_flags(parser: argparse.ArgumentParser, quick: Mapping[str, object], quick_help: str) -> None:
     """The flags every session benchmark has: --quick (``quick_help``, then the values it sets), --json, --save,
     --logs. ``parse_quick`` applies --quick."""

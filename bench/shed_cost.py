@@ -25,7 +25,16 @@ from typing import Any
 
 import httpx
 
-from bench.procs import Fleet, Server, add_run_flags, code_version, machine, parse_quick, report_and_exit_status
+from bench.procs import (
+    Fleet,
+    Server,
+    add_run_flags,
+    checkout_arg,
+    code_version,
+    machine,
+    parse_quick,
+    report_and_exit_status,
+)
 
 MODEL = "sim-model"
 QUICK = {"requests": 100, "rounds": 2}
@@ -153,18 +162,10 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _build(spec: str) -> tuple[str, Path]:
-    name, sep, checkout = spec.partition("=")
-    path = Path(checkout).resolve()
-    if not sep or not name or not (path / "vllm_etcd_proxy").is_dir():
-        raise argparse.ArgumentTypeError(f"{spec!r}: not NAME=CHECKOUT with CHECKOUT holding vllm_etcd_proxy/")
-    return name, path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.shed_cost", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--build", type=_build, action="append", help="NAME=CHECKOUT to run a replica from (default: this one)")
+    add("--build", type=checkout_arg, action="append", help="NAME=CHECKOUT to run a replica from (default: this one)")
     add("--kib", type=int, default=256, help="KiB of the user message in each request (default 256)")
     add("--requests", type=int, default=400, help="requests a round and case (default 400)")
     add("--concurrency", type=int, default=8, help="requests at a time (default 8)")

@@ -41,7 +41,16 @@ from typing import Any
 
 import httpx
 
-from bench.procs import Fleet, Server, add_run_flags, code_version, machine, parse_quick, report_and_exit_status
+from bench.procs import (
+    Fleet,
+    Server,
+    add_run_flags,
+    checkout_arg,
+    code_version,
+    machine,
+    parse_quick,
+    report_and_exit_status,
+)
 from bench.scale_etcd import etcd_command
 
 MODEL = "sim-model"
@@ -395,21 +404,15 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _build(spec: str) -> tuple[str, Path]:
-    name, sep, checkout = spec.partition("=")
-    path = Path(checkout).resolve()
-    if not sep or not name or not (path / "vllm_etcd_proxy").is_dir():
-        raise argparse.ArgumentTypeError(f"{spec!r}: not NAME=CHECKOUT with CHECKOUT holding vllm_etcd_proxy/")
-    return name, path
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tenant_shares", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--replicas", type=int, nargs="+", default=[2, 4], help="fleet sizes to run (R = 1 always runs first)")
     add("--seconds", type=float, default=60.0, help="seconds of load per fleet (default 60)")
     add("--patterns", nargs="+", choices=PATTERNS, default=list(PATTERNS), help="the tenants' patterns (all)")
-    add("--build", type=_build, action="append", help="NAME=CHECKOUT to run the replicas from (default: this one)")
+    add(
+        "--build", type=checkout_arg, action="append", help="NAME=CHECKOUT to run the replicas from (default: this one)"
+    )
     add("--rpm", type=int, default=60, help="the rpm tenants' limit (default 60)")
     add("--tpm", type=int, default=3000, help="the tpm tenants' limit (default 3000)")
     add("--concurrency", type=int, default=10, help="the concurrency tenants' limit (default 10)")

@@ -236,7 +236,7 @@ class ProxyRequest:
         """The answer failed after its headers went out: a stream is told why in an error event and ended; any
         other answer is left unfinished, so the server drops the connection and the client sees a truncated
         answer as an error rather than a complete-looking, cut-off body."""
-        log.warning("answer broken request_id=%s error=%s", self.request_id, exc.message)
+        log.warning("stream broken request_id=%s error=%s", self.request_id, exc.message)
         if self.event_stream and not self.finished:
             await self.send_last(sse_error_event(exc, anthropic=self.route == ANTHROPIC_ROUTE))
 

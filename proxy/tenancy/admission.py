@@ -15,7 +15,7 @@ from starlette.types import Message, Receive, Send
 from vllm_etcd_proxy.proxy.errors import ClientLeft, ProxyError, QueueTimeout
 from vllm_etcd_proxy.proxy.tenancy.holdings import Holding, TenantCounters
 from vllm_etcd_proxy.proxy.tenancy.keys import KeySet, Limits
-from vllm_etcd_proxy.proxy.tenancy.lending import hand_on, settle_with, take_from
+from vllm_etcd_proxy.proxy.tenancy.lending import Giver, hand_on, settle_with, take_from
 from vllm_etcd_proxy.proxy.tenancy.limits import Grant, Shortfall, attempt, estimate_tokens
 from vllm_etcd_proxy.proxy.tenancy.metrics import OPEN, TenantMetrics
 from vllm_etcd_proxy.proxy.tenancy.queue import FairQueue
@@ -287,7 +287,7 @@ class Tenancy:
         if not holding.explicit and self.fleet.unheld_share(tenant, kind, limit, now) <= 0:
             return False  # nothing to hand on: no entry needed
         before = dict(holding.out)
-        why = hand_on(holding, counters, tenant, limit, self.fleet, now, lambda: next(self._seq))
+        why = hand_on(Giver(holding, counters, tenant, limit, self.fleet, now, lambda: next(self._seq)))
         if not why:
             return False
         for taker, transfer in holding.out.items():

@@ -18,7 +18,8 @@ hold more than the limit together.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from vllm_etcd_proxy.proxy.tenancy.holdings import Holding, TenantCounters, spare_parts
 from vllm_etcd_proxy.proxy.tenancy.record import Record
@@ -27,163 +28,148 @@ from vllm_etcd_proxy.proxy.tenancy.shares import Fleet
 REBALANCE_UNDER = 0.5
 
 
-def hand_on(
-    holding: Holding,
-    counters: TenantCounters,
-    tenant: str,
-    limit: int,
-    fleet: Fleet,
-    now: float,
-    seq: Callable[[], int],
-) -> str:
-    """Hand capacity of ``tenant``'s limit to replicas whose requests wait for it, or rebalance it by the fleet's
-    asks; why anything was handed on ("" when nothing was)."""
-    if fleet.decay(now) or (holding.explicit and holding.cap < limit * 1e-6):
+@dataclass(frozen=True, slots=True)
+class Giver:
+    """This replica about to hand on capacity of one tenant's limit: its holding, the tenant's counters here, the
+    limit, the fleet's view, the time, and where each hand-over's sequence number comes from."""
+
+    holding: Holding
+    counters: TenantCounters
+    tenant: str
+    limit: int
+    fleet: Fleet
+    now: float
+    seq: Callable[[], int]
+
+    @property
+    def kind(self) -> str:
+        return self.holding.kind
+
+    def prepare(self) -> float:
+        return self.holding.prepare(self.fleet, self.tenant, self.limit, self.now)
+
+    def give(self, parts: Mapping[str, float], cap: float, level: float) -> None:
+        """``cap`` with ``level`` of it, split among the replicas of ``parts`` in proportion."""
+        for replica, part in spare_parts(1.0, parts).items():
+            self.holding.give(replica, cap * part, level * part, self.seq())
+
+
+def hand_on(giver: Giver) -> str:
+    """Hand capacity of the tenant's limit to replicas whose requests wait for it, or to where it asks, or
+    rebalance it by the fleet's asks; why anything was handed on ("" when nothing was)."""
+    holding, fleet = giver.holding, giver.fleet
+    if fleet.decay(giver.now) or (holding.explicit and holding.cap < giver.limit * 1e-6):
         return ""  # etcd away: nobody could take it; or nothing worth handing
-    wants = {r: w for r, w in fleet.wants(tenant, holding.kind).items() if r not in holding.out}
+    wants = {r: w for r, w in fleet.wants(giver.tenant, giver.kind).items() if r not in holding.out}
     if wants:
-        lend = _lend_rate if holding.rate else _lend_slots
-        if lend(holding, counters, tenant, limit, fleet, now, wants, seq):
+        if (_lend_rate if holding.rate else _lend_slots)(giver, wants):
             return "wanted"
-    elif holding.rate and counters.idle(now) and _hand_full(holding, counters, tenant, limit, fleet, now, seq):
+    elif holding.rate and giver.counters.idle(giver.now) and _hand_full(giver):
         return "full"
     # A replica whose own requests wait keeps what it holds.
-    if holding.explicit and not holding.want and _rebalance(holding, counters, tenant, limit, fleet, now, seq):
+    if holding.explicit and not holding.want and _rebalance(giver):
         return "rebalanced"
     return ""
 
 
-def _lend_rate(
-    holding: Holding,
-    counters: TenantCounters,
-    tenant: str,
-    limit: int,
-    fleet: Fleet,
-    now: float,
-    wants: dict[str, float],
-    seq: Callable[[], int],
-) -> bool:
-    holding.prepare(fleet, tenant, limit, now)
+def _lend_rate(giver: Giver, wants: dict[str, float]) -> bool:
+    holding = giver.holding
+    giver.prepare()
     level = holding.level
     if level <= 0:
         return False
-    if counters.idle(now):
+    if giver.counters.idle(giver.now):
         cap = holding.cap  # its client went elsewhere: all of it, as full as it is
     else:
         # What the waiting requests want, in proportion to what this replica could spare of what every replica
         # whose record shows some could (each of them hands its own part: the want is not met twice over).
-        spare = level - counters.reserve(holding.kind, now)
+        spare = level - giver.counters.reserve(giver.kind, giver.now)
         if spare <= 0:
             return False
-        others = math.fsum(max(0.0, e.spare) for r in fleet.others() if (e := fleet.entry(r, tenant, holding.kind)))
+        fleet = giver.fleet
+        entries = (fleet.entry(r, giver.tenant, giver.kind) for r in fleet.others())
+        others = math.fsum(max(0.0, e.spare) for e in entries if e is not None)
         want = math.fsum(wants.values())
         if spare + others < min(1.0, want):
             return False  # all of them together could not admit one of the waiting requests
         level = cap = min(spare, want * spare / (spare + others))
-        if level < limit * 1e-9:
+        if level < giver.limit * 1e-9:
             return False
-    for replica, part in spare_parts(1.0, wants).items():
-        holding.give(replica, cap * part, level * part, seq())
+    giver.give(wants, cap, level)
     return True
 
 
-def _hand_full(
-    holding: Holding,
-    counters: TenantCounters,
-    tenant: str,
-    limit: int,
-    fleet: Fleet,
-    now: float,
-    seq: Callable[[], int],
-) -> bool:
+def _hand_full(giver: Giver) -> bool:
     """An idle replica whose bucket is full hands it to the replicas the tenant asks now (in proportion to their
     asks): a full bucket's refill is lost, and theirs are spending."""
-    asks = {r: a for r, a in fleet.asks(tenant, holding.kind).items() if r not in holding.out}
+    holding = giver.holding
+    asks = {r: a for r, a in giver.fleet.asks(giver.tenant, giver.kind).items() if r not in holding.out}
     if not asks:
         return False
-    cap = holding.prepare(fleet, tenant, limit, now)
+    cap = giver.prepare()
     if cap <= 0 or holding.level < cap - 1e-9:
         return False
-    whole, level = holding.cap, holding.level
-    for replica, part in spare_parts(1.0, asks).items():
-        holding.give(replica, whole * part, level * part, seq())
+    giver.give(asks, holding.cap, holding.level)
     return True
 
 
-def _lend_slots(
-    holding: Holding,
-    counters: TenantCounters,
-    tenant: str,
-    limit: int,
-    fleet: Fleet,
-    now: float,
-    wants: dict[str, float],
-    seq: Callable[[], int],
-) -> bool:
-    cap = holding.prepare(fleet, tenant, limit, now)
+def _lend_slots(giver: Giver, wants: dict[str, float]) -> bool:
+    holding = giver.holding
+    cap = giver.prepare()
     # A free slot goes to a request that waits for one, first come first served: this replica's own waiting
     # requests first, then the others'. (A slot kept for a request that may come is a slot a waiting one lacks.)
-    spare = int(min(holding.cap, cap) - counters.running - math.ceil(holding.want - 1e-9) + 1e-9)
+    spare = int(min(holding.cap, cap) - giver.counters.running - math.ceil(holding.want - 1e-9) + 1e-9)
     handed = False
     for replica in sorted(wants):
         slots = min(spare, math.ceil(wants[replica] - 1e-9))
         if slots <= 0:
             break
-        holding.give(replica, float(slots), 0.0, seq())
+        holding.give(replica, float(slots), 0.0, giver.seq())
         spare -= slots
         handed = True
     return handed
 
 
-def _rebalance(
-    holding: Holding,
-    counters: TenantCounters,
-    tenant: str,
-    limit: int,
-    fleet: Fleet,
-    now: float,
-    seq: Callable[[], int],
-) -> bool:
-    mine = counters.published[holding.kind].value  # what the others see this replica ask
-    asks = fleet.asks(tenant, holding.kind)
+def _rebalance(giver: Giver) -> bool:
+    holding, limit = giver.holding, giver.limit
+    mine = giver.counters.published[giver.kind].value  # what the others see this replica ask
+    asks = giver.fleet.asks(giver.tenant, giver.kind)
     total = math.fsum(asks.values()) + mine
     if not asks or total <= 0:
         return False
-    unit = 1.0 if holding.kind != "tpm" else limit / 100
+    unit = 1.0 if giver.kind != "tpm" else limit / 100
     excess = holding.cap - limit * mine / total
     if excess < unit:
         return False
-    deficits, excesses = _parts(holding, tenant, limit, fleet, asks, total)
+    deficits, excesses = _parts(giver, asks, total)
     excesses.append(excess)
     if not deficits:
         return False
-    holding.prepare(fleet, tenant, limit, now)
+    giver.prepare()
     # Every replica over its part gives its share of the deficit: together they fill it once.
     given = min(excess, math.fsum(deficits.values()) * excess / math.fsum(excesses))
     if not holding.rate:
-        given = float(int(min(given, holding.cap - counters.running) + 1e-9))
+        given = float(int(min(given, holding.cap - giver.counters.running) + 1e-9))
         if given < 1:
             return False
     fill = holding.level / holding.cap if holding.rate and holding.cap > 0 else 0.0
     for replica, part in spare_parts(given, deficits).items():
         cap = part if holding.rate else float(round(part))
         if cap > 0:
-            holding.give(replica, cap, cap * fill, seq())
+            holding.give(replica, cap, cap * fill, giver.seq())
     return True
 
 
-def _parts(
-    holding: Holding, tenant: str, limit: int, fleet: Fleet, asks: dict[str, float], total: float
-) -> tuple[dict[str, float], list[float]]:
+def _parts(giver: Giver, asks: dict[str, float], total: float) -> tuple[dict[str, float], list[float]]:
     """By the other replicas' records: what those that refused requests lately lack of their part of the fleet's
     asks (those holding less than half of it), and how much the rest hold beyond theirs."""
     deficits, excesses = {}, []
     for replica, ask in asks.items():
-        entry = fleet.entry(replica, tenant, holding.kind)
+        entry = giver.fleet.entry(replica, giver.tenant, giver.kind)
         if entry is None:
             continue
-        part = limit * ask / total
-        if replica not in holding.out and entry.short > 0 and entry.cap < REBALANCE_UNDER * part:
+        part = giver.limit * ask / total
+        if replica not in giver.holding.out and entry.short > 0 and entry.cap < REBALANCE_UNDER * part:
             deficits[replica] = part - entry.cap
         else:
             excesses.append(max(0.0, entry.cap - part))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -17,6 +17,7 @@ from tests.support.etcd_server import EtcdServer
 from tests.support.procs import wait_until
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
+from tests.support.streams import HeldStream
 
 MODEL = "sim-model"
 KEYS = """\
@@ -59,38 +60,6 @@ class Clients:
     def close(self) -> None:
         for client in self.http:
             client.close()
-
-
-class Stream:
-    """A long stream held open through ``replica`` until ``release``; ``status`` once answered (429: refused)."""
-
-    def __init__(self, replica: ProxyProc, key: str) -> None:
-        self.status: int | None = None
-        self.answered = threading.Event()
-        self._release = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(replica.url, key))
-        self._thread.start()
-
-    def _run(self, url: str, key: str) -> None:
-        body = chat(4000, stream=True)
-        auth = {"Authorization": f"Bearer {key}"}
-        with httpx.Client(timeout=60) as client:
-            with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth) as answer:
-                self.status = answer.status_code
-                chunks = answer.iter_raw()  # kept: dropping it would close the stream
-                if answer.status_code == 200:
-                    next(chunks)
-                self.answered.set()
-                self._release.wait(60)
-
-    def wait(self) -> int:
-        assert self.answered.wait(30)
-        assert self.status is not None
-        return self.status
-
-    def release(self) -> None:
-        self._release.set()
-        self._thread.join(30)
 
 
 def refilled(limit: int, started: float) -> float:
@@ -185,14 +154,9 @@ def test_a_new_tenants_first_burst_through_one_replica_is_admitted_the_whole_lim
     assert statuses[:5] == [200] * 5 and statuses[-1] == 429
 
 
-def test_bursts_at_every_replica_at_once_are_admitted_no_more_than_the_limit(replicas: list[ProxyProc]) -> None:
-    clients, started = Clients(replicas, "all-key"), time.monotonic()
-    counts = [0, 0, 0]
-
-    def burst(replica: int) -> None:
-        counts[replica] = sum(clients.ask(replica) == 200 for _ in range(12))
-
-    threads = [threading.Thread(target=burst, args=(i,)) for i in range(3)]
+def at_every_replica_at_once(clients: Clients, burst: Callable[[int], None]) -> None:
+    """``burst(replica)`` in a thread per replica, all started together; the clients closed at the end."""
+    threads = [threading.Thread(target=burst, args=(i,)) for i in range(len(clients.http))]
     try:
         for thread in threads:
             thread.start()
@@ -200,6 +164,16 @@ def test_bursts_at_every_replica_at_once_are_admitted_no_more_than_the_limit(rep
             thread.join(60)
     finally:
         clients.close()
+
+
+def test_bursts_at_every_replica_at_once_are_admitted_no_more_than_the_limit(replicas: list[ProxyProc]) -> None:
+    clients, started = Clients(replicas, "all-key"), time.monotonic()
+    counts = [0, 0, 0]
+
+    def burst(replica: int) -> None:
+        counts[replica] = sum(clients.ask(replica) == 200 for _ in range(12))
+
+    at_every_replica_at_once(clients, burst)
     # Each replica holds a third of 12 before any record; the fleet never admits a second bucket.
     assert 12 - 1 <= sum(counts) <= 12 + refilled(12, started) + 1, counts
 
@@ -225,20 +199,13 @@ def test_tpm_bursts_at_every_replica_at_once_spend_no_more_than_the_limit(replic
         while clients.ask(replica, max_tokens=20) == 200:
             pass
 
-    threads = [threading.Thread(target=burst, args=(i,)) for i in range(3)]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    finally:
-        clients.close()
+    at_every_replica_at_once(clients, burst)
     # Each replica's last request may take its bucket into debt: at most one request (~30 tokens) each.
     assert 600 - 40 <= clients.tokens <= 600 + refilled(600, started) + 3 * 40
 
 
 def test_a_new_tenants_streams_through_one_replica_get_the_whole_concurrency(replicas: list[ProxyProc]) -> None:
-    streams = [Stream(replicas[0], "conc-burst-key") for _ in range(5)]
+    streams = [HeldStream(replicas[0].url, "conc-burst-key") for _ in range(5)]
     try:
         statuses = sorted(s.wait() for s in streams)
     finally:
@@ -248,14 +215,14 @@ def test_a_new_tenants_streams_through_one_replica_get_the_whole_concurrency(rep
 
 
 def test_concurrency_follows_a_client_that_moves_to_another_replica(replicas: list[ProxyProc]) -> None:
-    first = [Stream(replicas[0], "conc-move-key") for _ in range(4)]
+    first = [HeldStream(replicas[0].url, "conc-move-key") for _ in range(4)]
     try:
         assert sorted(s.wait() for s in first) == [200] * 4
     finally:
         for stream in first:
             stream.release()
     # Its streams ended; it reconnects through replica 2 and opens four again.
-    moved = [Stream(replicas[2], "conc-move-key") for _ in range(5)]
+    moved = [HeldStream(replicas[2].url, "conc-move-key") for _ in range(5)]
     try:
         statuses = sorted(s.wait() for s in moved)
     finally:
@@ -267,7 +234,7 @@ def test_concurrency_follows_a_client_that_moves_to_another_replica(replicas: li
 def test_streams_opened_at_every_replica_at_once_hold_no_more_than_the_concurrency(
     replicas: list[ProxyProc],
 ) -> None:
-    streams = [Stream(replicas[i % 3], "conc-all-key") for i in range(12)]
+    streams = [HeldStream(replicas[i % 3].url, "conc-all-key") for i in range(12)]
     try:
         statuses = [s.wait() for s in streams]
     finally:

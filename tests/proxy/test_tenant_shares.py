@@ -5,7 +5,6 @@ replica gets its whole limit there; one that moves keeps getting it and the flee
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from tests.support.etcd_server import EtcdServer
 from tests.support.procs import wait_until
 from tests.support.proxy_proc import ProxyProc
 from tests.support.sim_node import SimNode
+from tests.support.streams import HeldStream
 
 MODEL = "sim-model"
 KEYS = """\
@@ -80,32 +80,6 @@ class Client:
 
     def close(self) -> None:
         self.http.close()
-
-
-class Stream:
-    """A long stream held open through ``replica`` until ``release``; ``status`` once answered (429: refused)."""
-
-    def __init__(self, replica: ProxyProc, key: str) -> None:
-        self.status: int | None = None
-        self.answered = threading.Event()
-        self._release = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(replica.url, key))
-        self._thread.start()
-
-    def _run(self, url: str, key: str) -> None:
-        body = chat(4000, stream=True)
-        with httpx.Client(timeout=60) as client:
-            with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth(key)) as answer:
-                self.status = answer.status_code
-                chunks = answer.iter_raw()  # kept: dropping it would close the stream
-                if answer.status_code == 200:
-                    next(chunks)  # the stream has started: the node is generating for it
-                self.answered.set()
-                self._release.wait(60)
-
-    def release(self) -> None:
-        self._release.set()
-        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -236,21 +210,21 @@ def test_one_connection_through_one_replica_gets_the_whole_concurrency_and_the_f
     replicas: list[ProxyProc],
 ) -> None:
     a, b = replicas
-    streams: list[Stream] = []
+    streams: list[HeldStream] = []
     try:
         deadline = time.monotonic() + 15
         while sum(s.status == 200 for s in streams) < 3:  # concurrency=3, all through a
             assert time.monotonic() < deadline, [s.status for s in streams]
-            streams.append(Stream(a, "conc-key"))
+            streams.append(HeldStream(a.url, "conc-key"))
             assert streams[-1].answered.wait(30)
             if streams[-1].status == 429:
                 streams.pop().release()
                 time.sleep(0.1)
-        extra = Stream(a, "conc-key")
+        extra = HeldStream(a.url, "conc-key")
         assert extra.answered.wait(30) and extra.status == 429
         extra.release()
         # a holds all three slots now: the fleet never runs more than the limit.
-        on_b = [Stream(b, "conc-key") for _ in range(2)]
+        on_b = [HeldStream(b.url, "conc-key") for _ in range(2)]
         for stream in on_b:
             assert stream.answered.wait(30)
         streams += on_b
